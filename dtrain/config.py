@@ -1,0 +1,358 @@
+"""Typed config schemas and their validation. The only module that touches OmegaConf.
+
+`launch/train.py` composes the Hydra config and calls `from_dictconfig`; everything after that
+sees plain dataclasses. Every check raises ConfigError with one line naming the key, the bad
+value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ConfigError
+from dtrain.model import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    name: str = "embedded"
+    source: str = "embedded"  # embedded | synthetic
+    tokenizer: str = "byte"
+    vocab_size: int | None = None  # synthetic data only: the vocab of its random tokens
+    eval_fraction: float = 0.02  # share of the corpus held out for eval, never trained on
+    max_bytes: int | None = None  # cap on the embedded corpus size (None: all of it)
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "single"
+    compile: bool | None = None  # None: compile on CUDA, eager on CPU
+    bucket_cap_mb: int = 25  # DDP gradient bucket size
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    tf32: bool = False  # allow TF32 matmuls on GPUs for fp32
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    fused: bool | None = None  # None: fused on CUDA, foreach elsewhere
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # 0: only at the end / on a signal
+    keep_last: int = 3  # 0: keep all
+    save_final: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # the length of the LR schedule
+    stop_at_step: int | None = None  # stop early (after saving) as a preemption would
+    micro_batch_size: int = 16
+    grad_accum_steps: int = 1
+    # Sequences per optimizer step over all ranks. None: micro_batch_size * grad_accum_steps *
+    # world size. Set, it fixes grad_accum_steps so that any world size trains the same batch.
+    global_batch_size: int | None = None
+    seq_len: int = 256
+    eval_every: int = 100  # 0: no periodic eval
+    eval_steps: int = 10
+    log_every: int = 10
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
+    progress_bar: bool = True
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    jsonl: bool = True
+    # Peak FLOP/s of one device for MFU. None: a table for known GPUs; on CPU a matmul
+    # measured at start-up (so CPU MFU is relative to what this machine's BLAS achieves).
+    peak_tflops: float | None = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    seed: int = 1337
+    resume: str = "auto"  # auto | never | <path to a checkpoint folder>
+    run_dir: str = "outputs/run"
+
+
+# --- dict -> dataclass, with messages a person can act on ---------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif tp is Any:
+        return value
+    elif origin in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            (inner,) = typing.get_args(tp)[:1] or (Any,)
+            return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def build_dataclass(cls: type, data: dict | None, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, rejecting unknown keys and wrong types."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}'; valid keys under {where}: "
+            + ", ".join(sorted(fields))
+        )
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name} must be a group of keys, got {value!r}")
+            kwargs[name] = build_dataclass(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> TrainConfig:
+    cfg = build_dataclass(TrainConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def from_dictconfig(dcfg: Any) -> TrainConfig:
+    """Hydra's DictConfig -> TrainConfig (resolving interpolations; dropping the hydra node)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    data = {}
+    try:
+        for key in dcfg:
+            if key == "hydra":  # Hydra's own node: not ours, and partly unresolvable here
+                continue
+            value = dcfg[key]
+            data[key] = (
+                OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+            )
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config could not be resolved: {str(e).splitlines()[0]}") from None
+    return from_dict(data)
+
+
+# --- validation --------------------------------------------------------------------------
+
+RESUME_CHOICES = ("auto", "never")
+
+
+def _positive(value: int | float | None, key: str, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key} must be {need}, got {value}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no other module. Strategy/precision/data names are checked by their
+    registries when built (they know their own choices)."""
+    t, m, o = cfg.trainer, cfg.model, cfg.optim
+    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_every"):
+        _positive(getattr(t, key), f"trainer.{key}")
+    _positive(t.global_batch_size, "trainer.global_batch_size")
+    for key in ("eval_every", "eval_steps"):
+        _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
+    _positive(t.grad_clip, "trainer.grad_clip", allow_zero=True)
+    if t.stop_at_step is not None:
+        _positive(t.stop_at_step, "trainer.stop_at_step")
+        if t.stop_at_step > t.max_steps:
+            raise ConfigError(
+                f"trainer.stop_at_step={t.stop_at_step} is past trainer.max_steps={t.max_steps}"
+            )
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.device={t.device!r} is not valid; choose auto, cpu or cuda")
+    for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
+        _positive(getattr(m, key), f"model.{key}")
+    _positive(m.n_kv_head, "model.n_kv_head")
+    _positive(m.ffn_hidden, "model.ffn_hidden")
+    _positive(m.vocab_size, "model.vocab_size")
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by n_head={m.n_head}")
+    if m.head_dim % 2 and m.rope:
+        raise ConfigError(f"model head dim {m.head_dim} must be even for RoPE")
+    if m.n_head % m.n_kv_head:
+        raise ConfigError(f"model.n_head={m.n_head} must be divisible by n_kv_head={m.n_kv_head}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _positive(o.lr, "optim.lr")
+    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
+    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    _positive(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", allow_zero=True)
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
+    if not 0.0 < cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
+        raise ConfigError(
+            f"resume={cfg.resume!r}: no such checkpoint folder; "
+            "choose auto, never, or the path of a checkpoints/step_NNNNNNN folder"
+        )
+
+
+def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step, from global_batch_size when it is set."""
+    if t.global_batch_size is None:
+        return t.grad_accum_steps
+    per_pass = t.micro_batch_size * world_size
+    if t.global_batch_size % per_pass:
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} cannot be served by "
+            f"micro_batch_size={t.micro_batch_size} x {world_size} ranks; "
+            f"choose a multiple of {per_pass}"
+        )
+    return t.global_batch_size // per_pass
+
+
+# --- Hydra composition (for launch/train.py and the CLIs) ----------------------------------
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("model", "data", "strategy", "precision", "optim", "checkpoint")
+
+
+def group_choices(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
+    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+
+
+def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
+    """Hydra's multi-line composition errors -> one line with the valid choices."""
+    text = str(e)
+    m = re.search(r"Could not find '([\w-]+)/([^']*)'", text)
+    if m and m.group(1) in GROUPS:
+        group, name = m.groups()
+        return f"unknown {group} '{name}'; valid choices: {', '.join(group_choices(group))}"
+    m = re.search(r"Could not override '([^']+)'", text) or re.search(
+        r"Key '([^']+)' is not in struct", text
+    )
+    if m:
+        key = m.group(1)
+        return f"unknown config key '{key}'; see the valid keys with: launch/train.py --cfg job"
+    m = re.search(r"Could not load '([\w-]+)/([^']*)'", text)
+    if m:
+        return f"{m.group(1)} config '{m.group(2)}' could not be loaded: {text.splitlines()[-1]}"
+    first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+    return f"bad command line ({' '.join(overrides)}): {first.strip()}"
+
+
+def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
+    """Compose conf/train.yaml with Hydra overrides into a validated TrainConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+            dcfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    except Exception as e:  # Hydra's exceptions have no common base worth naming
+        raise ConfigError(_explain_hydra_error(e, overrides)) from None
+    HydraConfig.instance().set_config(dcfg)
+    try:
+        run_dir = OmegaConf.select(dcfg, "hydra.run.dir")
+    except Exception as e:
+        raise ConfigError(f"hydra.run.dir could not be resolved: {e}") from None
+    with open_dict(dcfg):
+        dcfg.run_dir = run_dir
+    return from_dictconfig(dcfg)
+
+
+def check_overrides(argv: list[str]) -> TrainConfig | None:
+    """Validate a launch command line before Hydra runs (and creates the run dir).
+
+    Returns the config, or None for what only Hydra itself can check (--multirun sweeps,
+    --help, --cfg, ...). Also refuses to overwrite another run's checkpoints.
+    """
+    if any(a.startswith("-") for a in argv):
+        return None
+    cfg = compose(list(argv))
+    if cfg.resume not in RESUME_CHOICES:
+        from dtrain.checkpoint import CheckpointManager
+
+        CheckpointManager.read_manifest(Path(cfg.resume))  # complete and readable?
+    ckpts = Path(cfg.run_dir) / "checkpoints"
+    if cfg.resume == "never" and ckpts.is_dir() and any(ckpts.glob("step_*")):
+        raise ConfigError(
+            f"run dir {cfg.run_dir} already holds checkpoints; resume=never would overwrite "
+            "them: use resume=auto to continue that run, or a new hydra.run.dir"
+        )
+    return cfg

@@ -1,0 +1,169 @@
+"""The Strategy interface: everything the loop needs from a way of training on one or many devices.
+
+A strategy owns: building and wrapping the model, building the optimizer after wrapping,
+forward/backward (no gradient sync on non-final micro-steps), clipping and stepping, the state it
+saves and loads, and the bytes of model state its rank holds. The loop never asks its name.
+
+The defaults here are the single-device behaviour; a strategy overrides what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
+from dtrain.dist import DistEnv
+from dtrain.errors import ConfigError
+from dtrain.model import build_model
+from dtrain.optim import build_optimizer, set_lr
+from dtrain.precision import Precision
+
+
+@dataclass
+class StateBytes:
+    """Exact bytes of model state this rank holds (storage-deduplicated)."""
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optim_bytes: int = 0
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one bucket count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):  # DTensor: this rank's shard
+            t = t.to_local()
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+class Strategy:
+    name = "single"
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    needs_distributed = False
+
+    def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
+        self.cfg, self.precision, self.env = cfg, precision, env
+        self.device = env.device
+        self.module: nn.Module | None = None  # the plain GPT (shared parameters)
+        self.model: nn.Module | None = None  # what training calls (wrapped, maybe compiled)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._state_bytes: StateBytes | None = None
+        self.check()
+
+    # --- config-time checks ------------------------------------------------------------
+    def check(self) -> None:
+        if self.precision.name not in self.precisions:
+            raise ConfigError(
+                f"strategy={self.name} cannot train precision={self.precision.name}; "
+                f"valid precisions for it: {', '.join(self.precisions)}"
+            )
+
+    @property
+    def compile_enabled(self) -> bool:
+        return self.cfg.compile if self.cfg.compile is not None else self.device.type == "cuda"
+
+    # --- building ----------------------------------------------------------------------
+    def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
+        self.module = build_model(model_cfg, self.device, seed)
+        self.model = self.wrap(self.module)
+        self.optimizer = build_optimizer(self.module, optim_cfg, self.device)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return torch.compile(module) if self.compile_enabled else module
+
+    # --- training ----------------------------------------------------------------------
+    def no_sync(self, last_micro: bool):
+        """Context for a micro-step's backward: skip gradient sync unless it is the last."""
+        return contextlib.nullcontext()
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool, loss_div: int
+    ) -> torch.Tensor:
+        """One micro-step. Returns the (detached, unscaled) loss of this micro-batch."""
+        with self.no_sync(last_micro):
+            with self.precision.autocast(self.device):
+                loss = self.model(x, y)
+            (loss / loss_div).backward()
+        return loss.detach()
+
+    def clip_and_step(self, lr: float, grad_clip: float) -> torch.Tensor:
+        """Clip (if grad_clip > 0), step, zero grads. Returns the pre-clip global grad norm."""
+        set_lr(self.optimizer, lr)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if grad_clip > 0:
+            norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.optimizer.step()
+        if self._state_bytes is None:  # grads and optimizer states all exist right now
+            self._state_bytes = self.measure_state_bytes()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast(self.device):
+            return self.model(x, y).detach()
+
+    def mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Average a scalar over data-parallel ranks (for logging the loss)."""
+        if dist.is_initialized() and self.env.world_size > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t /= self.env.world_size
+        return t
+
+    # --- accounting --------------------------------------------------------------------
+    def measure_state_bytes(self) -> StateBytes:
+        return StateBytes(
+            params_bytes=tensor_bytes(self.module.parameters()),
+            grads_bytes=tensor_bytes(p.grad for p in self.module.parameters()),
+            optim_bytes=tensor_bytes(optimizer_tensors(self.optimizer)),
+        )
+
+    def state_bytes(self) -> StateBytes:
+        """Measured after the first step (when gradients and optimizer states exist)."""
+        return self._state_bytes or self.measure_state_bytes()
+
+    # --- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model and optimizer state keyed by parameter names, in the form DCP saves."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+    def unwrapped(self) -> nn.Module:
+        """The plain model (for generation, attention maps and export)."""
+        return self.module

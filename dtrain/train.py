@@ -1,0 +1,388 @@
+"""The training loop: the one place where the pieces meet. Read it top to bottom.
+
+cfg -> process group -> precision -> strategy -> data -> model (+ resume) -> loop -> save
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from dtrain import dist as ddist
+from dtrain.checkpoint import CheckpointManager, latest_complete
+from dtrain.config import TrainConfig, resolve_grad_accum
+from dtrain.data import BatchStream, build_data, eval_batches
+from dtrain.errors import CheckpointError, ConfigError
+from dtrain.metrics import (
+    MetricsWriter,
+    Throughput,
+    gather_memory,
+    memory_scalars,
+    peak_flops,
+)
+from dtrain.model import count_params, flops_per_token
+from dtrain.optim import lr_at
+from dtrain.precision import build_precision
+from dtrain.strategies import build_strategy
+
+log = logging.getLogger("dtrain")
+
+# Keys that must match between a checkpoint and the run resuming from it.
+IDENTITY_KEYS = {
+    "model": (
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "d_model",
+        "ffn_hidden",
+        "vocab_size",
+        "tie_embeddings",
+        "rope",
+    ),
+    "data": ("source", "tokenizer"),
+    "trainer": ("seq_len",),
+}
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    return {
+        f"{group}.{key}": getattr(getattr(cfg, group), key)
+        for group, keys in IDENTITY_KEYS.items()
+        for key in keys
+    }
+
+
+class StopSignal:
+    """SIGTERM/SIGINT/SIGUSR1 -> stop after this step, save, exit 0.
+
+    Ranks must agree on the step at which they stop, so the local flags are max-reduced every
+    step. The reduction of step s is read at the end of step s+1, through a pinned buffer and
+    an event: waiting for it never stalls the GPU, whose queue already holds step s+1.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, device: torch.device, distributed: bool):
+        self.local = False
+        self.device, self.distributed = device, distributed
+        self._pending = None
+        self._old = {}
+        for s in self.SIGNALS:
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test harness)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if not self.local:
+            log.warning(
+                "received %s: saving a checkpoint and stopping", signal.Signals(signum).name
+            )
+        self.local = True
+
+    def poll(self) -> bool:
+        if not self.distributed:
+            return self.local
+        import torch.distributed as dist
+
+        agreed = False
+        if self._pending is not None:
+            host, event = self._pending
+            if event is not None:
+                event.synchronize()
+            agreed = bool(host.item())
+        flag = torch.tensor([int(self.local)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self.device.type == "cuda":
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        else:
+            self._pending = (flag, None)
+        return agreed
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
+    """Which checkpoint to start from; refuses to overwrite another run's checkpoints."""
+    latest = latest_complete(ckpt.root)
+    if cfg.resume == "never":
+        if latest is not None:
+            raise ConfigError(
+                f"run dir {cfg.run_dir} already holds checkpoints ({latest.name}); resume=never "
+                "would overwrite them: use resume=auto to continue, or a new hydra.run.dir"
+            )
+        return None
+    path = latest if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        return None
+    manifest = CheckpointManager.read_manifest(path)
+    saved = manifest.get("identity", {})
+    for key, value in run_identity(cfg).items():
+        if key in saved and saved[key] != value:
+            hint = (
+                "choose a new hydra.run.dir for a new run"
+                if cfg.resume == "auto"
+                else "resume it with the config it was trained with"
+            )
+            raise CheckpointError(
+                f"checkpoint {path} was saved with {key}={saved[key]!r} but this run has "
+                f"{key}={value!r}; {hint}"
+            )
+    return path
+
+
+def setup_logging(is_main: bool) -> None:
+    level = logging.INFO if is_main else logging.WARNING
+    logging.basicConfig(level=level, format="[%(asctime)s %(name)s] %(message)s", force=True)
+    log.setLevel(level)
+
+
+class Progress:
+    """A tqdm bar on an interactive terminal; plain log lines otherwise (CI, files)."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, info: dict | None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if info:
+                self.bar.set_postfix(
+                    loss=f"{info['loss']:.4f}", tok_s=f"{info['tokens_per_s']:.0f}", refresh=False
+                )
+        elif info:
+            log.info(
+                "step %d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | mfu %s",
+                step,
+                info["loss"],
+                info["lr"],
+                info["grad_norm"],
+                info["tokens_per_s"],
+                "n/a" if info["mfu"] is None else f"{100 * info['mfu']:.1f}%",
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def evaluate(strategy, data, cfg: TrainConfig, env) -> float:
+    t = cfg.trainer
+    total = torch.zeros((), device=env.device)
+    for x, y in eval_batches(
+        data.eval,
+        micro_batch_size=t.micro_batch_size,
+        steps=t.eval_steps,
+        rank=env.rank,
+        world_size=env.world_size,
+        device=env.device,
+    ):
+        total += strategy.eval_loss(x, y).float()
+    return strategy.mean_across_ranks(total / t.eval_steps).item()
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train per `cfg`. Returns a summary (final step, last losses) for callers and tests."""
+    from dtrain.strategies import STRATEGIES
+
+    cls = STRATEGIES.get(cfg.strategy.name)
+    env = ddist.init_distributed(
+        cfg.trainer.device, force_group=bool(cls and cls.needs_distributed)
+    )
+    try:
+        return _run(cfg, env)
+    finally:
+        ddist.shutdown()
+
+
+def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
+    setup_logging(env.is_main)
+    t = cfg.trainer
+    precision = build_precision(cfg.precision, env.device)
+    precision.apply_backend_flags(env.device)
+    strategy = build_strategy(cfg.strategy, precision, env)
+    accum = resolve_grad_accum(t, env.world_size)
+    global_batch = t.micro_batch_size * accum * env.world_size
+
+    data = build_data(cfg.data, seq_len=t.seq_len, seed=cfg.seed, device=env.device)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{data.vocab_size}; leave it unset to follow the tokenizer"
+        )
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=cfg.model.vocab_size or data.vocab_size))
+
+    run_dir = Path(cfg.run_dir)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
+    resume_path = resolve_resume(cfg, ckpt)
+
+    ddist.seed_everything(cfg.seed)
+    strategy.setup(cfg.model, cfg.optim, cfg.seed)
+    stream = BatchStream(
+        data.train,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum_steps=accum,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        device=env.device,
+    )
+    step = 0
+    if resume_path is not None:
+        state = strategy.state_dict()
+        manifest = ckpt.load(resume_path, state)
+        strategy.load_state_dict(state)
+        stream.load_state_dict(manifest["data"])
+        step = int(manifest["step"])
+        log.info("resumed from %s (step %d)", resume_path, step)
+
+    end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
+    n_params = count_params(cfg.model)
+    fpt = flops_per_token(cfg.model, t.seq_len)
+    peak = peak_flops(env.device, cfg.metrics)
+    tokens_per_step = global_batch * t.seq_len
+    writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
+    if step == 0:
+        writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
+    log.info(
+        "%s | %s | world %d | model %s: %.2fM params, %.3g FLOPs/token | global batch %d x %d "
+        "tokens | run dir %s",
+        strategy.name,
+        precision.name,
+        env.world_size,
+        cfg.model.name,
+        n_params / 1e6,
+        fpt,
+        global_batch,
+        t.seq_len,
+        run_dir,
+    )
+
+    def save(at_step: int) -> None:
+        manifest = {
+            "identity": run_identity(cfg),
+            "data": stream.state_dict(),
+            "strategy": strategy.name,
+            "precision": precision.name,
+            "config": asdict(cfg),
+        }
+        path = ckpt.save(at_step, strategy.state_dict(), manifest)
+        log.info("saved checkpoint %s", path)
+
+    def do_eval(at_step: int) -> float:
+        loss = evaluate(strategy, data, cfg, env)
+        ppl = math.exp(min(loss, 50.0))
+        writer.scalars(at_step, {"eval/loss": loss, "eval/ppl": ppl})
+        writer.record({"step": at_step, "eval_loss": loss, "eval_ppl": ppl})
+        log.info("eval at step %d: loss %.4f, ppl %.2f", at_step, loss, ppl)
+        return loss
+
+    stop = StopSignal(env.device, env.distributed)
+    progress = Progress(t.progress_bar and env.is_main, step, end_step)
+    throughput = Throughput()
+    eval_history: list[tuple[int, float]] = []
+    loss_history: list[tuple[int, float]] = []
+    loss_sum = torch.zeros((), device=env.device)
+    steps_since_log = 0
+    stopped_by_signal = False
+    t_start = time.perf_counter()
+
+    if step == 0 and t.eval_every > 0:
+        eval_history.append((0, do_eval(0)))
+    throughput.restart()
+
+    while step < end_step:
+        micro_batches = stream.next_step()
+        for i, (x, y) in enumerate(micro_batches):
+            loss = strategy.forward_backward(x, y, last_micro=i == accum - 1, loss_div=accum)
+            loss_sum += loss.float() / accum
+        lr = lr_at(step, cfg.optim, t.max_steps)
+        grad_norm = strategy.clip_and_step(lr, t.grad_clip)
+        step += 1
+        steps_since_log += 1
+        throughput.add(tokens_per_step)
+
+        info = None
+        if step % t.log_every == 0 or step == end_step:
+            # The only host-device sync of a normal step happens here, every log_every steps.
+            mean_loss = strategy.mean_across_ranks(loss_sum / steps_since_log).item()
+            tok_s = throughput.report()
+            mem = gather_memory(strategy.state_bytes(), env.device)
+            mfu = (tok_s / env.world_size) * fpt / peak if peak else None
+            info = {
+                "step": step,
+                "loss": mean_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": tok_s,
+                "tokens_per_s_per_gpu": tok_s / env.world_size,
+                "mfu": mfu,
+                "tokens_seen": stream.consumed * t.seq_len,
+                "elapsed_s": time.perf_counter() - t_start,
+                "memory_per_rank": mem,
+            }
+            writer.scalars(
+                step,
+                {
+                    "train/loss": mean_loss,
+                    "train/lr": lr,
+                    "train/grad_norm": info["grad_norm"],
+                    "perf/tokens_per_s": tok_s,
+                    "perf/tokens_per_s_per_gpu": tok_s / env.world_size,
+                    "perf/mfu": mfu,
+                    **memory_scalars(mem),
+                },
+            )
+            writer.record(info)
+            loss_history.append((step, mean_loss))
+            loss_sum.zero_()
+            steps_since_log = 0
+        progress.update(step, info)
+
+        if t.eval_every > 0 and step % t.eval_every == 0 and step != end_step:
+            eval_history.append((step, do_eval(step)))
+            throughput.restart()
+        if stop.poll():
+            stopped_by_signal = True
+            save(step)
+            break
+        if ckpt.due(step) and step != end_step:
+            save(step)
+            throughput.restart()
+
+    if not stopped_by_signal:
+        if t.eval_every > 0 and (not eval_history or eval_history[-1][0] != step):
+            eval_history.append((step, do_eval(step)))
+        if (cfg.checkpoint.save_final or step < t.max_steps) and (
+            resume_path is None or step > int(manifest["step"])
+        ):
+            save(step)  # also at stop_at_step, so the run can be resumed
+    progress.close()
+    stop.restore()
+    writer.close()
+    return {
+        "step": step,
+        "losses": loss_history,
+        "evals": eval_history,
+        "stopped_by_signal": stopped_by_signal,
+        "n_params": n_params,
+        "run_dir": str(run_dir),
+    }

@@ -1,0 +1,42 @@
+"""Launch a training run:  python launch/train.py [overrides]  or  torchrun ... launch/train.py
+
+Hydra composes conf/train.yaml with the overrides; dtrain.config turns it into dataclasses and
+dtrain.train.run trains. Bad input gets one line on stderr and exit code 2: the overrides are
+checked (composed and validated) before Hydra creates or touches the run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from dtrain.config import CONF_DIR, check_overrides  # noqa: E402
+from dtrain.errors import UserError, fail  # noqa: E402
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
+def main(dcfg: DictConfig) -> None:
+    from dtrain.config import from_dictconfig
+    from dtrain.train import run
+
+    try:
+        run(from_dictconfig(dcfg))
+    except UserError as e:
+        fail(e)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    try:
+        check_overrides(sys.argv[1:])
+    except UserError as e:
+        fail(e)
+    main()

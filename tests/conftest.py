@@ -1,0 +1,80 @@
+"""Shared helpers: train in-process through the real Hydra configs, or under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch" / "train.py"
+
+# Small and fast: the tiny model on a 300 KB slice of the embedded corpus, no progress bar.
+FAST = [
+    "model=tiny",
+    "data.max_bytes=300000",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_steps=2",
+    "trainer.progress_bar=false",
+    "trainer.device=cpu",
+]
+
+
+def compose(*overrides: str):
+    from dtrain.config import compose as _compose
+
+    return _compose(list(overrides))
+
+
+def train(run_dir: Path, *overrides: str) -> dict:
+    """Run dtrain.train.run in this process with FAST defaults plus `overrides`."""
+    from dtrain.train import run
+
+    cfg = compose(*FAST, f"hydra.run.dir={run_dir}", *overrides)
+    return run(cfg)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {
+        r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r
+    }
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | None = None):
+    """python launch/train.py (nproc=1) or torchrun --standalone (nproc>1); returns the result."""
+    if nproc == 1:
+        cmd = [sys.executable, str(LAUNCH), *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(LAUNCH),
+            *args,
+        ]
+    env = cli_env()
+    env.update(env_extra or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture
+def fast_overrides() -> list[str]:
+    return list(FAST)

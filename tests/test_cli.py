@@ -1,0 +1,63 @@
+"""Bad input on the command line: one line naming the problem and the choices, exit code 2,
+no traceback, nothing overwritten."""
+
+import pytest
+
+from tests.conftest import FAST, launch
+
+BAD = [
+    (["strategy=nope"], "unknown strategy 'nope'; valid choices: ddp, single"),
+    (["precision=fp7"], "unknown precision 'fp7'"),
+    (["model=huge"], "unknown model 'huge'"),
+    (["data=nowhere"], "unknown data 'nowhere'"),
+    (["trainer.bogus=1"], "unknown config key 'trainer.bogus'"),
+    (["trainer.max_steps=0"], "trainer.max_steps must be > 0"),
+    (["trainer.micro_batch_size=-2"], "trainer.micro_batch_size must be > 0"),
+    (["trainer.max_steps=abc"], "trainer.max_steps must be an integer"),
+    (["trainer.seq_len=4096"], "exceeds model.max_seq_len"),
+    (["model.n_head=3"], "must be divisible by n_head"),
+    (["trainer.stop_at_step=50", "trainer.max_steps=10"], "past trainer.max_steps"),
+    (["resume=/no/such/ckpt"], "no such checkpoint folder"),
+    (["optim.beta2=1.5"], "optim.beta2 must be in"),
+    (["trainer.device=tpu"], "trainer.device='tpu' is not valid"),
+    (["trainer.global_batch_size=6", "trainer.micro_batch_size=4"], "cannot be served"),
+    (["data.source=web"], "unknown data.source 'web'"),
+    (["model.vocab_size=100"], "smaller than the tokenizer"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
+    res = launch(*FAST, *args, f"hydra.run.dir={tmp_path}/run")
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    ok = launch(*FAST, "trainer.max_steps=2", "trainer.eval_every=0", f"hydra.run.dir={run}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    res = launch(*FAST, "trainer.max_steps=2", "resume=never", f"hydra.run.dir={run}")
+    assert res.returncode == 2 and "would overwrite" in res.stderr
+    assert before == {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    run = tmp_path / "run"
+    ok = launch(*FAST, "trainer.max_steps=2", "trainer.eval_every=0", f"hydra.run.dir={run}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    res = launch(*FAST, "trainer.max_steps=4", "model.d_model=32", f"hydra.run.dir={run}")
+    assert res.returncode == 2
+    assert "was saved with model.d_model=64" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_resume_from_an_incomplete_checkpoint_is_refused(tmp_path):
+    partial = tmp_path / "ckpt" / "step_0000004"
+    partial.mkdir(parents=True)
+    res = launch(*FAST, f"resume={partial}", f"hydra.run.dir={tmp_path}/run")
+    assert res.returncode == 2 and "is incomplete" in res.stderr
+    assert not (tmp_path / "run").exists()

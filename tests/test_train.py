@@ -1,0 +1,126 @@
+"""The loop end to end on CPU: metrics, TensorBoard, checkpoints, bit-exact resume, signals."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+from tests.conftest import read_jsonl, train, train_losses
+
+
+def test_metrics_jsonl_has_the_documented_keys(tmp_path):
+    out = train(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=2")
+    assert out["step"] == 4
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r in recs:
+        for key in (
+            "step",
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "tokens_per_s_per_gpu",
+            "mfu",
+            "memory_per_rank",
+        ):
+            assert key in r, key
+        (mem,) = r["memory_per_rank"]
+        for key in ("params_bytes", "grads_bytes", "optim_bytes", "rss_bytes"):
+            assert mem[key] > 0, key
+        n = out["n_params"]
+        assert mem["params_bytes"] == 4 * n
+        assert mem["grads_bytes"] == 4 * n
+        # AdamW: two fp32 moments per parameter plus one step counter per parameter tensor.
+        assert 8 * n <= mem["optim_bytes"] <= 8 * n + 8 * 64
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=2")
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "eval/loss",
+        "eval/ppl",
+        "perf/tokens_per_s",
+        "perf/tokens_per_s_per_gpu",
+        "perf/mfu",
+        "memory/rank0/params_bytes",
+        "memory/rank0/grads_bytes",
+        "memory/rank0/optim_bytes",
+        "memory/rank0/rss_bytes",
+    ):
+        assert tag in tags, tag
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    args = ["trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=0"]
+    train(tmp_path / "straight", *args)
+    train(tmp_path / "stopped", *args, "trainer.stop_at_step=6")
+    assert (tmp_path / "stopped/checkpoints/step_0000006/COMPLETE").exists()
+    out = train(tmp_path / "stopped", *args)  # resume=auto picks up step 6
+    assert out["step"] == 12
+    a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "stopped")
+    assert sorted(b) == list(range(1, 13))  # records after the checkpoint were replaced
+    for step in range(7, 13):
+        assert a[step] == b[step], (step, a[step], b[step])
+
+
+def test_checkpoint_every_n_and_keep_last(tmp_path):
+    train(
+        tmp_path,
+        "trainer.max_steps=8",
+        "trainer.eval_every=0",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep_last=2",
+    )
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_0000006", "step_0000008"]
+
+
+def test_partial_checkpoint_is_ignored_by_resume(tmp_path):
+    args = ["trainer.max_steps=6", "trainer.eval_every=0", "trainer.log_every=1"]
+    train(tmp_path, *args, "trainer.stop_at_step=3")
+    # A crash mid-save leaves a .partial folder and a folder without its marker.
+    (tmp_path / "checkpoints/step_0000005.partial").mkdir()
+    broken = tmp_path / "checkpoints/step_0000004"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{}")
+    out = train(tmp_path, *args)
+    assert out["losses"][0][0] == 4  # resumed at step 3, not 4 or 5
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    args = ["trainer.max_steps=500", "trainer.eval_every=0", "trainer.log_every=1"]
+    timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        out = train(tmp_path, *args)
+    finally:
+        timer.cancel()
+    assert out["stopped_by_signal"]
+    assert 0 < out["step"] < 500
+    assert (tmp_path / f"checkpoints/step_{out['step']:07d}/COMPLETE").exists()
+    # Handlers are restored once the run ends.
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_global_batch_size_sets_accumulation(tmp_path):
+    from dtrain.config import resolve_grad_accum
+    from dtrain.errors import ConfigError
+    from tests.conftest import compose
+
+    cfg = compose("trainer.micro_batch_size=4", "trainer.global_batch_size=16")
+    assert resolve_grad_accum(cfg.trainer, 2) == 2
+    with pytest.raises(ConfigError, match="cannot be served"):
+        resolve_grad_accum(cfg.trainer, 3)
