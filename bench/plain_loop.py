@@ -83,14 +83,17 @@ def main() -> None:
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=3e-4, betas=(0.9, 0.95), fused=cuda,
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        fused=cuda,
     )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.wrapper != "fsdp")
     gen = torch.Generator(device=device).manual_seed(rank)
 
     def step() -> torch.Tensor:
-        tok = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1),
-                            device=device, generator=gen)
+        tok = torch.randint(
+            0, args.vocab, (args.micro_batch, args.seq_len + 1), device=device, generator=gen
+        )
         with autocast:
             loss = model(tok[:, :-1], tok[:, 1:])
         loss.backward()
