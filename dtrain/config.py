@@ -40,6 +40,9 @@ class StrategyConfig:
 class PrecisionConfig:
     name: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls on GPUs for fp32
+    optimizer_8bit: bool = False  # AdamW moments in 8 bits (torchao AdamW8bit)
+    fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise | rowwise scales
+    fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
 
 
 @dataclass

@@ -1,15 +1,26 @@
 """What each precision means, written once. Strategies translate it into their own mechanism
 (autocast for single/DDP, MixedPrecisionPolicy for FSDP, a DeepSpeed config section).
 
-docs/precision.md renders this table for people.
+A strategy applies a precision in three places, all driven by the fields below:
+
+  1. `apply_precision(module, precision)` before wrapping: casts parameters (bf16-true) or swaps
+     the transformer blocks' linear layers for int8 / fp8 ones. The swaps keep every weight an
+     `nn.Parameter` with its name, so DDP, `fully_shard` and checkpoints see the same model.
+  2. `precision.autocast(device)` around forward passes (single/DDP; FSDP uses
+     `param_dtype`/`reduce_dtype` in its MixedPrecisionPolicy instead).
+  3. `build_loss_scaler(precision, device, sharded=...)` for fp16 (None otherwise).
+
+docs/precision.md renders PRECISIONS for people (tests/test_precision.py checks they agree).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from dtrain.config import PrecisionConfig
 from dtrain.errors import ConfigError
@@ -19,11 +30,18 @@ from dtrain.errors import ConfigError
 class Precision:
     name: str
     param_dtype: torch.dtype  # stored (master) parameters
-    compute_dtype: torch.dtype  # matmuls and activations
+    compute_dtype: torch.dtype  # matmuls and activations outside quantized layers
     reduce_dtype: torch.dtype  # gradient all-reduce / reduce-scatter
     optim_dtype: torch.dtype  # optimizer states (AdamW's two moments)
     loss_scaling: bool = False  # dynamic loss scaling (fp16)
     tf32: bool = False
+    # Which matmuls run in a narrower format than compute_dtype: "" (none), "int8" (dtrain's
+    # int8 linears), "int8-torchao" (torchao's module swap, the reference), "fp8" (torchao).
+    quantize: str = ""
+    quantized: str = "nothing"  # for people: what exactly is quantized
+    optimizer_8bit: bool = False  # torchao AdamW8bit: moments in int8 with block-wise scales
+    fp8_recipe: str = "tensorwise"
+    fp8_emulate: bool = False
     summary: str = ""
 
     @property
@@ -43,7 +61,8 @@ class Precision:
             torch.backends.cudnn.allow_tf32 = self.tf32
 
 
-_F32, _BF16 = torch.float32, torch.bfloat16
+_F32, _BF16, _F16, _I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
+_BLOCK_LINEARS = "the transformer blocks' linear layers (q, k, v, o, w1, w2, w3)"
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision(
@@ -57,10 +76,71 @@ PRECISIONS: dict[str, Precision] = {
         _F32,
         summary="bf16 compute, fp32 master weights, fp32 gradient reduction and optimizer states",
     ),
+    "bf16-true": Precision(
+        "bf16-true",
+        _BF16,
+        _BF16,
+        _BF16,
+        _BF16,
+        summary="pure bf16: parameters, gradients and optimizer states in bf16 (half the "
+        "model-state memory of bf16; updates smaller than bf16's resolution are lost)",
+    ),
+    "fp16": Precision(
+        "fp16",
+        _F32,
+        _F16,
+        _F32,
+        _F32,
+        loss_scaling=True,
+        summary="fp16 compute with dynamic loss scaling; steps whose gradients overflow are "
+        "skipped and counted (train/overflow_steps)",
+    ),
+    "int8": Precision(
+        "int8",
+        _F32,
+        _BF16,
+        _F32,
+        _F32,
+        quantize="int8",
+        quantized=f"{_BLOCK_LINEARS}: forward, grad-input and grad-weight matmuls in int8 "
+        "(torch._int_mm) with dynamic row-wise scales; their inputs saved for backward in int8",
+        summary="int8 tensor-core matmuls for the blocks' linears, bf16 elsewhere (embeddings, "
+        "norms, attention, LM head), fp32 master weights",
+    ),
+    "int8-torchao": Precision(
+        "int8-torchao",
+        _F32,
+        _BF16,
+        _F32,
+        _F32,
+        quantize="int8-torchao",
+        quantized=f"{_BLOCK_LINEARS}: torchao Int8MixedPrecisionTrainingConfig(module_swap="
+        "True); inputs saved in bf16",
+        summary="torchao's int8 mixed-precision training (reference for benchmarks)",
+    ),
+    "fp8": Precision(
+        "fp8",
+        _F32,
+        _BF16,
+        _F32,
+        _F32,
+        quantize="fp8",
+        quantized=f"{_BLOCK_LINEARS}: torchao float8 training, dynamic "
+        "scales; e4m3 inputs and weights, gradients e5m2 (tensorwise) or e4m3 (rowwise)",
+        summary="fp8 matmuls through torchao.float8 (H100/H200), bf16 elsewhere",
+    ),
 }
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+def _need_torchao(what: str) -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{what} needs torchao, which is not installed: pip install torchao")
 
 
 def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
+    """The Precision for `cfg` on `device`; refuses what this device cannot run."""
     if cfg.name not in PRECISIONS:
         raise ConfigError(
             f"unknown precision '{cfg.name}'; valid choices: {', '.join(sorted(PRECISIONS))}"
@@ -69,4 +149,157 @@ def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
     if p.compute_dtype == torch.bfloat16 and device.type == "cuda":
         if not torch.cuda.is_bf16_supported():
             raise ConfigError(f"precision={cfg.name} needs a GPU with bf16 (Ampere or newer)")
-    return Precision(**{**p.__dict__, "tf32": cfg.tf32})
+    if p.loss_scaling and device.type != "cuda":
+        raise ConfigError(
+            f"precision={cfg.name} needs a CUDA GPU (fp16 autocast and loss scaling are for "
+            "GPUs); on CPU use precision=bf16 or fp32"
+        )
+    if cfg.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError(
+            f"precision.fp8_recipe={cfg.fp8_recipe!r} is not valid; choose "
+            + " or ".join(FP8_RECIPES)
+        )
+    if p.quantize == "fp8":
+        _need_torchao("precision=fp8")
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9) and not cfg.fp8_emulate:
+                raise ConfigError(
+                    f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+, "
+                    f"e.g. H100/L40S); this one is {cap[0]}.{cap[1]}"
+                )
+        elif not cfg.fp8_emulate:
+            raise ConfigError(
+                "precision=fp8 on CPU runs only emulated: set precision.fp8_emulate=true "
+                "(for tests; it is slow), or train fp8 on an H100/H200"
+            )
+    if p.quantize == "int8-torchao":
+        _need_torchao("precision=int8-torchao")
+    if cfg.optimizer_8bit:
+        _need_torchao("precision.optimizer_8bit=true")
+    return replace(
+        p,
+        tf32=cfg.tf32,
+        optimizer_8bit=cfg.optimizer_8bit,
+        optim_dtype=_I8 if cfg.optimizer_8bit else p.optim_dtype,
+        fp8_recipe=cfg.fp8_recipe,
+        fp8_emulate=cfg.fp8_emulate,
+    )
+
+
+# Strategies that cannot carry a module swap, and why (checked by Strategy.check).
+_DEEPSPEED_PREFIXES = ("deepspeed", "zero")
+
+
+def check_strategy(precision: Precision, strategy: str) -> None:
+    """Refuse a precision that the named strategy cannot honour, with the reason."""
+    if precision.quantize and strategy.startswith(_DEEPSPEED_PREFIXES):
+        raise ConfigError(
+            f"precision={precision.name} is not supported with strategy={strategy}: DeepSpeed "
+            "keeps weights in its own flat bf16/fp16 buffers (ZeRO-3 gathers them in its own "
+            "hooks) and the quantized linears are not verified there; use strategy=single, ddp "
+            "or fsdp"
+        )
+    if precision.optimizer_8bit and strategy.startswith(_DEEPSPEED_PREFIXES):
+        raise ConfigError(
+            f"precision.optimizer_8bit=true is not supported with strategy={strategy}: DeepSpeed "
+            "builds its own optimizer; use strategy=single, ddp or fsdp"
+        )
+
+
+def block_linear_filter(module: nn.Module, fqn: str) -> bool:
+    """The linears that quantized precisions swap: those inside the transformer blocks
+    (`layers.<i>.`). Embeddings, norms, attention scores and the LM head stay bf16."""
+    return isinstance(module, nn.Linear) and fqn.startswith("layers.")
+
+
+def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = False) -> None:
+    """Change `module` in place for `precision`, before any wrapping (DDP, fully_shard, compile).
+
+    `sharded` says FSDP2 will shard the module: fp8 then all-gathers weights in fp8.
+    """
+    if precision.param_dtype != torch.float32:
+        # Parameters only: buffers such as the RoPE tables stay fp32.
+        for p in module.parameters():
+            p.data = p.data.to(precision.param_dtype)
+    if precision.quantize == "int8":
+        from dtrain.lowp.int8 import apply_int8
+
+        apply_int8(module, block_linear_filter)
+    elif precision.quantize == "int8-torchao":
+        from dtrain.lowp.torchao_ref import apply_torchao_int8
+
+        apply_torchao_int8(module, block_linear_filter)
+    elif precision.quantize == "fp8":
+        from dtrain.lowp.fp8 import apply_fp8
+
+        apply_fp8(
+            module,
+            block_linear_filter,
+            recipe=precision.fp8_recipe,
+            emulate=precision.fp8_emulate,
+            fp8_all_gather=sharded,
+        )
+
+
+def build_loss_scaler(precision: Precision, device: torch.device, *, sharded: bool = False):
+    """A LossScaler for fp16 (ShardedGradScaler when FSDP shards the gradients); else None.
+
+    DeepSpeed does not call this: its engine has its own dynamic loss scaler (fp16 config).
+    """
+    if not precision.loss_scaling:
+        return None
+    from dtrain.lowp.scaling import LossScaler
+
+    return LossScaler(device, sharded=sharded)
+
+
+def build_precision_optimizer(module: nn.Module, cfg, precision: Precision, device: torch.device):
+    """The optimizer for `precision`: torchao's AdamW8bit when optimizer_8bit, else AdamW."""
+    from dtrain.optim import build_optimizer
+
+    if not precision.optimizer_8bit:
+        return build_optimizer(module, cfg, device)
+    from dtrain.lowp.optim8bit import build_adamw8bit
+
+    return build_adamw8bit(module, cfg)
+
+
+# --- docs/precision.md's table -------------------------------------------------------------
+
+_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int8: "int8",
+}
+
+
+def render_table() -> str:
+    """PRECISIONS as the markdown table in docs/precision.md (a test keeps them equal)."""
+
+    def compute(p: Precision) -> str:
+        base = _DTYPE_NAMES[p.compute_dtype]
+        if p.tf32:
+            base += " (TF32 matmuls)"
+        return {"int8": "int8 matmuls in blocks, ", "fp8": "fp8 matmuls in blocks, "}.get(
+            p.quantize.split("-")[0], ""
+        ) + (base if not p.quantize else f"{base} elsewhere")
+
+    rows = [
+        "| precision | stored params | compute | gradient reduction | optimizer states "
+        "| loss scaling | quantized |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in PRECISIONS.values():
+        rows.append(
+            f"| `{p.name}` | {_DTYPE_NAMES[p.param_dtype]} | {compute(p)} "
+            f"| {_DTYPE_NAMES[p.reduce_dtype]} | {_DTYPE_NAMES[p.optim_dtype]} "
+            f"| {'dynamic' if p.loss_scaling else 'none'} "
+            f"| {p.quantized} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m dtrain.precision: print the table for the docs
+    print(render_table(), end="")

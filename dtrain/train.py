@@ -339,9 +339,12 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
                 "elapsed_s": time.perf_counter() - t_start,
                 "memory_per_rank": mem,
             }
+            extra = strategy.step_metrics()  # e.g. fp16's overflow_steps and loss_scale
+            info.update({k.split("/")[-1]: v for k, v in extra.items()})
             writer.scalars(
                 step,
                 {
+                    **extra,
                     "train/loss": mean_loss,
                     "train/lr": lr,
                     "train/grad_norm": info["grad_norm"],

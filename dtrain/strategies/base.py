@@ -20,8 +20,14 @@ from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
-from dtrain.optim import build_optimizer, set_lr
-from dtrain.precision import Precision
+from dtrain.optim import set_lr
+from dtrain.precision import (
+    Precision,
+    apply_precision,
+    build_loss_scaler,
+    build_precision_optimizer,
+    check_strategy,
+)
 
 
 @dataclass
@@ -41,6 +47,9 @@ def tensor_bytes(tensors) -> int:
             continue
         if hasattr(t, "to_local"):  # DTensor: this rank's shard
             t = t.to_local()
+        if hasattr(t, "__tensor_flatten__"):  # e.g. 8-bit optimizer states: count their parts
+            total += tensor_bytes(getattr(t, name) for name in t.__tensor_flatten__()[0])
+            continue
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key in seen:
@@ -59,7 +68,15 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer):
 
 class Strategy:
     name = "single"
-    precisions: tuple[str, ...] = ("fp32", "bf16")
+    precisions: tuple[str, ...] = (
+        "fp32",
+        "bf16",
+        "bf16-true",
+        "fp16",
+        "int8",
+        "int8-torchao",
+        "fp8",
+    )
     needs_distributed = False
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
@@ -69,6 +86,7 @@ class Strategy:
         self.model: nn.Module | None = None  # what training calls (wrapped, maybe compiled)
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
+        self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
         self.check()
 
     # --- config-time checks ------------------------------------------------------------
@@ -78,6 +96,7 @@ class Strategy:
                 f"strategy={self.name} cannot train precision={self.precision.name}; "
                 f"valid precisions for it: {', '.join(self.precisions)}"
             )
+        check_strategy(self.precision, self.name)
 
     @property
     def compile_enabled(self) -> bool:
@@ -86,8 +105,12 @@ class Strategy:
     # --- building ----------------------------------------------------------------------
     def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
         self.module = build_model(model_cfg, self.device, seed)
+        apply_precision(self.module, self.precision)  # dtype casts / module swaps, before wrapping
         self.model = self.wrap(self.module)
-        self.optimizer = build_optimizer(self.module, optim_cfg, self.device)
+        self.optimizer = build_precision_optimizer(
+            self.module, optim_cfg, self.precision, self.device
+        )
+        self.loss_scaler = build_loss_scaler(self.precision, self.device)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return torch.compile(module) if self.compile_enabled else module
@@ -104,22 +127,34 @@ class Strategy:
         with self.no_sync(last_micro):
             with self.precision.autocast(self.device):
                 loss = self.model(x, y)
-            (loss / loss_div).backward()
+            scaled = loss / loss_div
+            if self.loss_scaler is not None:
+                scaled = self.loss_scaler.scale(scaled)
+            scaled.backward()
         return loss.detach()
 
     def clip_and_step(self, lr: float, grad_clip: float) -> torch.Tensor:
         """Clip (if grad_clip > 0), step, zero grads. Returns the pre-clip global grad norm."""
         set_lr(self.optimizer, lr)
         params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.optimizer)
         if grad_clip > 0:
             norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
         else:
             norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self.optimizer.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.step(self.optimizer, norm)  # skipped if a gradient overflowed
+        else:
+            self.optimizer.step()
         if self._state_bytes is None:  # grads and optimizer states all exist right now
             self._state_bytes = self.measure_state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step_metrics(self) -> dict[str, float]:
+        """Extra scalars for the logs (fp16: train/overflow_steps, train/loss_scale)."""
+        return self.loss_scaler.metrics() if self.loss_scaler is not None else {}
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,7 +187,10 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -163,6 +201,8 @@ class Strategy:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def unwrapped(self) -> nn.Module:
         """The plain model (for generation, attention maps and export)."""
