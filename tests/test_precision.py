@@ -313,7 +313,7 @@ def test_docs_table_matches_precisions():
 @pytest.mark.slow
 def test_int8_300_steps_within_5_percent_of_bf16(tmp_path):
     common = [
-        "model.n_layer=2",
+        "model.n_layer=1",
         "trainer.seq_len=32",
         "trainer.max_steps=300",
         "trainer.log_every=25",
