@@ -37,6 +37,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "fp8": ("fp8", {}),
     "int8-torchao": ("int8-torchao", {}),
 }
+# Diagnostic variants (not run by default): int8 with Inductor's fused int8 GEMM + dequantize
+# epilogue (a Triton template; the int32 product never reaches memory).
+EXTRA_VARIANTS: dict[str, tuple[str, dict]] = {"int8-fused": ("int8", {})}
+FUSED = ("int8-fused",)
 SMOKE_VARIANTS = ("bf16", "int8", "int8-torchao")
 
 
@@ -52,7 +56,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from dtrain.precision import build_precision
     from dtrain.strategies import build_strategy
 
-    if args.fuse_int_mm_mul:
+    if args.fuse_int_mm_mul or args.one in FUSED:
         import torch._inductor.config as inductor_config
 
         # Let Inductor fuse the dequantizing multiply into a Triton int8 GEMM's epilogue
@@ -60,7 +64,7 @@ def run_one(args: argparse.Namespace) -> dict:
         inductor_config.force_fuse_int_mm_with_mul = True
 
     name = args.one
-    prec_name, prec_over = VARIANTS[name]
+    prec_name, prec_over = {**VARIANTS, **EXTRA_VARIANTS}[name]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
     cfg = compose([f"model={args.model}", "data=embedded", "hydra.run.dir=/tmp/dtrain-bench"])
@@ -197,7 +201,9 @@ def main() -> None:
     p.add_argument("--loss-steps", type=int, default=0, help="train this many steps for a loss")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--compile", choices=("blocks", "full", "none"), default="blocks")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated; also: int8-fused"
+    )
     p.add_argument("--timeout", type=float, default=240, help="seconds per variant")
     p.add_argument("--profile", action="store_true", help="OUT/profile_<variant>.txt")
     p.add_argument("--fuse-int-mm-mul", action="store_true", help="Inductor's fused int8 GEMM")
@@ -218,8 +224,9 @@ def main() -> None:
 
     results = []
     for name in args.variants.split(","):
-        if name not in VARIANTS:
-            sys.exit(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        if name not in VARIANTS and name not in EXTRA_VARIANTS:
+            choices = ", ".join([*VARIANTS, *EXTRA_VARIANTS])
+            sys.exit(f"error: unknown variant {name!r}; choose from {choices}")
         cmd = [sys.executable, __file__, *sys.argv[1:], "--one", name]
         t0 = time.perf_counter()
         try:
