@@ -160,7 +160,6 @@ def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
             + " or ".join(FP8_RECIPES)
         )
     if p.quantize == "fp8":
-        _need_torchao("precision=fp8")
         if device.type == "cuda":
             cap = torch.cuda.get_device_capability(device)
             if cap < (8, 9) and not cfg.fp8_emulate:
@@ -173,8 +172,8 @@ def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
                 "precision=fp8 on CPU runs only emulated: set precision.fp8_emulate=true "
                 "(for tests; it is slow), or train fp8 on an H100/H200"
             )
-    if p.quantize == "int8-torchao":
-        _need_torchao("precision=int8-torchao")
+    if p.quantize in ("fp8", "int8-torchao"):
+        _need_torchao(f"precision={p.name}")
     if cfg.optimizer_8bit:
         _need_torchao("precision.optimizer_8bit=true")
     return replace(
