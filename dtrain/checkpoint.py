@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dtrain import dist as ddist
+from dtrain import faults
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError
 
@@ -133,6 +134,7 @@ class CheckpointManager:
         # Each rank hashes the files it wrote; rank 0 gathers them into the manifest.
         mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
         hashes = {p.name: sha256_file(p) for p in mine}
+        faults.hit("checkpoint.save", step)  # shards on disk, checkpoint not yet complete
         all_hashes = ddist.all_gather_object(hashes)
         if self.rank == 0:
             files = {}
@@ -154,6 +156,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Keep the newest keep_last complete checkpoints; called only after a new one is
         complete, so the last complete checkpoint is never deleted before its successor."""
+        # A .partial folder here is left by a save that died (saves never overlap): drop it.
+        for stale in self.root.glob("step_*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
         if self.cfg.keep_last <= 0:
             return
         complete = list_complete(self.root)

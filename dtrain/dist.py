@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -13,10 +14,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistEnv:
-    rank: int
-    local_rank: int
+    rank: int  # global: unique over all nodes; rank 0 logs and writes files
+    local_rank: int  # on this node: picks the GPU
     world_size: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
+    node_rank: int = 0  # this node's index (torchrun's GROUP_RANK)
+    hostname: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -32,18 +36,29 @@ def env_world_size() -> int:
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """The local rank's GPU (ranks of one node never share a card), or the CPU."""
+    from dtrain.errors import ConfigError
+
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from dtrain.errors import ConfigError
-
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use auto or cpu")
-    return torch.device("cuda", local_rank)
+    n = torch.cuda.device_count()
+    if local_rank < n:
+        return torch.device("cuda", local_rank)
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if n == 1 and len(visible) == 1:
+        # The scheduler bound one GPU to this process (Slurm --gpus-per-task=1, one GPU per
+        # container): it is cuda:0 here, whatever the local rank.
+        return torch.device("cuda", 0)
+    raise ConfigError(
+        f"LOCAL_RANK={local_rank} but {socket.gethostname()} shows only {n} CUDA device(s) to "
+        f"this process; start at most {n} processes per node (NPROC_PER_NODE / "
+        "--nproc_per_node)"
+    )
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,7 +91,15 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        device=dev,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
+        hostname=socket.gethostname(),
+    )
 
 
 def shutdown() -> None:

@@ -73,7 +73,15 @@ def process_memory(device: torch.device) -> dict:
 
 def gather_memory(state_bytes, device: torch.device) -> list[dict]:
     """One dict per rank: exact model-state bytes plus the process/device memory."""
-    mine = {**asdict(state_bytes), **process_memory(device)}
+    import socket
+
+    # The host and local rank say which node and card a number belongs to across nodes.
+    mine = {
+        **asdict(state_bytes),
+        **process_memory(device),
+        "host": socket.gethostname(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+    }
     return ddist.all_gather_object(mine)
 
 
@@ -169,5 +177,6 @@ def memory_scalars(memory_per_rank: list[dict]) -> dict:
     out = {}
     for r, mem in enumerate(memory_per_rank):
         for k, v in mem.items():
-            out[f"memory/rank{r}/{k}"] = v
+            if k.endswith("_bytes"):  # not the host name / local rank that label the rank
+                out[f"memory/rank{r}/{k}"] = v
     return out

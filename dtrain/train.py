@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dtrain import dist as ddist
+from dtrain import faults
 from dtrain.checkpoint import CheckpointManager, latest_complete
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
@@ -32,6 +33,7 @@ from dtrain.model import count_params, flops_per_token
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
 from dtrain.strategies import build_strategy
+from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
 
 log = logging.getLogger("dtrain")
 
@@ -215,6 +217,8 @@ def run(cfg: TrainConfig) -> dict:
 
 def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     setup_logging(env.is_main)
+    nodes = gather_nodes(env) if env.distributed else None
+    faults.configure(faults.plan_from(cfg.debug), env.rank)
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
@@ -232,7 +236,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
 
     run_dir = Path(cfg.run_dir)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
-    resume_path = resolve_resume(cfg, ckpt)
+    # Every rank must resume from the same checkpoint, and see the folder rank 0 completes.
+    check_shared_dir(run_dir, env)
+    resume_path = on_rank0(env, lambda: resolve_resume(cfg, ckpt))
 
     ddist.seed_everything(cfg.seed)
     strategy.setup(cfg.model, cfg.optim, cfg.seed)
@@ -260,6 +266,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     peak = peak_flops(env.device, cfg.metrics)
     tokens_per_step = global_batch * t.seq_len
     writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
+    if nodes is not None:
+        log.info("ranks: %s", describe(nodes))
     if step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
     log.info(
@@ -359,6 +367,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             loss_sum.zero_()
             steps_since_log = 0
         progress.update(step, info)
+        faults.hit("train.step", step)
 
         if t.eval_every > 0 and step % t.eval_every == 0 and step != end_step:
             eval_history.append((step, do_eval(step)))
