@@ -129,14 +129,15 @@ class CheckpointManager:
             partial.mkdir()
         ddist.barrier()
         dcp.save(state, checkpoint_id=str(partial))
+        faults.point("ckpt.save.after_dcp", step=step)  # shards on disk, not yet complete
         extra_path = partial / f"extra_rank{self.rank}.pt"
         torch.save({"rng": rng_state()}, extra_path)
         # Each rank hashes the files it wrote; rank 0 gathers them into the manifest.
         mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
         hashes = {p.name: sha256_file(p) for p in mine}
-        faults.hit("checkpoint.save", step)  # shards on disk, checkpoint not yet complete
         all_hashes = ddist.all_gather_object(hashes)
         if self.rank == 0:
+            faults.point("ckpt.save.after_hash", step=step)
             files = {}
             for h in all_hashes:
                 files.update(h)

@@ -93,16 +93,6 @@ class MetricsConfig:
 
 
 @dataclass
-class DebugConfig:
-    # Fault injection for tests of elastic restarts (dtrain/faults.py); off unless fault_at_step.
-    fault_at_step: int | None = None
-    fault_point: str = "train.step"  # train.step | checkpoint.save
-    fault_rank: int = 0  # global rank that fails
-    fault_attempt: int = 0  # torchrun restart attempt that fails (0: the first run)
-    fault_action: str = "kill"  # kill (SIGKILL) | hang
-
-
-@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -112,7 +102,6 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1337
     resume: str = "auto"  # auto | never | <path to a checkpoint folder>
     run_dir: str = "outputs/run"
@@ -274,28 +263,11 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
-    _validate_debug(cfg.debug)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
             "choose auto, never, or the path of a checkpoints/step_NNNNNNN folder"
         )
-
-
-def _validate_debug(d: DebugConfig) -> None:
-    from dtrain.faults import ACTIONS, POINTS
-
-    if d.fault_point not in POINTS:
-        raise ConfigError(
-            f"debug.fault_point={d.fault_point!r} is not valid; choose {', '.join(POINTS)}"
-        )
-    if d.fault_action not in ACTIONS:
-        raise ConfigError(
-            f"debug.fault_action={d.fault_action!r} is not valid; choose {', '.join(ACTIONS)}"
-        )
-    _positive(d.fault_at_step, "debug.fault_at_step")
-    _positive(d.fault_rank, "debug.fault_rank", allow_zero=True)
-    _positive(d.fault_attempt, "debug.fault_attempt", allow_zero=True)
 
 
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:

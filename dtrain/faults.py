@@ -1,44 +1,75 @@
-"""Deterministic fault injection: make one rank die (or hang) at a chosen point of a chosen step.
+"""Fault injection for tests: kill (or stop, or fail) one rank at a named point of a chosen step.
 
-Tests of elastic restarts need a failure that happens at a known place, once. The loop and the
-checkpoint writer call `hit(point, step)` at the named points below; when the `debug.fault_*`
-keys select that point, step, global rank and torchrun restart attempt, the process acts:
+The grammar and the points are shared with the reliability suite (docs/reliability.md); this
+module adds what elastic-restart tests need on top: `%<attempt>` fires only on that torchrun
+restart attempt (TORCHELASTIC_RESTART_COUNT, 0 on the first run), so the restarted group, which
+replays the same steps, does not fail again.
 
-    kill   SIGKILL itself, as the OOM killer or a lost node would (no cleanup, no Python exit)
-    hang   stop making progress forever (for tests of collective timeouts)
+    faults.point("ckpt.save.after_dcp", step=step)
 
-Points:
-    train.step        after the optimizer step of `step`, before its checkpoint
-    checkpoint.save   inside the save of `step`, after this rank's shards are on disk and before
-                      the checkpoint is marked complete
+does nothing unless the environment variable DTRAIN_FAULT names that point:
 
-`debug.fault_attempt` matches torchrun's TORCHELASTIC_RESTART_COUNT (0 on the first attempt), so
-the restarted group, which replays the same steps, does not fail again.
+    DTRAIN_FAULT="train.step=kill@1#5%0"         SIGKILL rank 1 as step 5 starts, first run only
+    DTRAIN_FAULT="ckpt.save.after_dcp=kill@0#4"  SIGKILL rank 0 mid-save of step 4 (shards on disk,
+                                                 checkpoint not complete)
+
+Grammar: `<point>=<action>[@<rank>][#<step>][%<attempt>]`, several joined by commas. Actions:
+kill, stop (signals to this process), enospc, eacces, erofs, eio (an OSError as the OS would
+raise it). An environment variable rather than a config key, so a test can arm one rank of a
+torchrun job and the point can sit below the config.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 
-POINTS = ("train.step", "checkpoint.save")
-ACTIONS = ("kill", "hang")
+ENV = "DTRAIN_FAULT"
+
+# Every point in the code, so a test (and the docs) can list them and a typo fails loudly.
+POINTS = (
+    "ckpt.save.after_dcp",  # model/optimizer shards and .metadata written, not yet complete
+    "ckpt.save.after_hash",  # every rank hashed its files, manifest not yet written (rank 0)
+    "train.step",  # start of an optimizer step (`step` is the 1-based step about to run)
+)
+ACTIONS = ("kill", "stop", "enospc", "eacces", "erofs", "eio")
+_ERRNO = {"enospc": errno.ENOSPC, "eacces": errno.EACCES, "erofs": errno.EROFS, "eio": errno.EIO}
 
 
 @dataclass(frozen=True)
-class FaultPlan:
+class Fault:
     point: str
-    step: int
-    rank: int
-    attempt: int
     action: str
+    rank: int | None = None
+    step: int | None = None
+    attempt: int | None = None
 
 
-_plan: FaultPlan | None = None
-_rank: int = 0
+def parse(spec: str) -> list[Fault]:
+    """DTRAIN_FAULT's value -> faults; a malformed spec is a bug in the test, so it raises."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, _, rest = item.partition("=")
+        step = rank = attempt = None
+        if "%" in rest:
+            rest, _, a = rest.partition("%")
+            attempt = int(a)
+        if "#" in rest:
+            rest, _, s = rest.partition("#")
+            step = int(s)
+        if "@" in rest:
+            rest, _, r = rest.partition("@")
+            rank = int(r)
+        if point not in POINTS or rest not in ACTIONS:
+            raise ValueError(
+                f"{ENV}: bad item {item!r}; points: {', '.join(POINTS)}; actions: "
+                f"{', '.join(ACTIONS)}"
+            )
+        out.append(Fault(point, rest, rank, step, attempt))
+    return out
 
 
 def restart_attempt() -> int:
@@ -46,39 +77,35 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def plan_from(debug) -> FaultPlan | None:
-    """The plan the `debug.fault_*` keys (a config.DebugConfig) describe; None when off."""
-    if debug.fault_at_step is None:
-        return None
-    return FaultPlan(
-        point=debug.fault_point,
-        step=debug.fault_at_step,
-        rank=debug.fault_rank,
-        attempt=debug.fault_attempt,
-        action=debug.fault_action,
-    )
+_cache: tuple[str, list[Fault]] = ("", [])
 
 
-def configure(plan: FaultPlan | None, rank: int) -> None:
-    """Arm (or, with None, disarm) the fault for this process; `rank` is its global rank."""
-    global _plan, _rank
-    _plan, _rank = plan, rank
+def _armed() -> list[Fault]:
+    global _cache
+    spec = os.environ.get(ENV, "")
+    if spec != _cache[0]:
+        _cache = (spec, parse(spec))
+    return _cache[1]
 
 
-def hit(point: str, step: int) -> None:
-    """Called at each fault point; acts only where the armed plan matches exactly."""
-    p = _plan
-    if p is None or p.point != point or p.step != step or p.rank != _rank:
+def point(name: str, *, step: int | None = None) -> None:
+    """An injection point: fire the fault DTRAIN_FAULT arms here for this rank (and step)."""
+    faults = _armed()
+    if not faults:
         return
-    if restart_attempt() != p.attempt:
-        return
-    print(
-        f"debug: fault '{p.action}' on rank {_rank} (pid {os.getpid()}) at {point} of step "
-        f"{step}, restart attempt {p.attempt}",
-        file=sys.stderr,
-        flush=True,
-    )
-    if p.action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    while True:  # hang: alive, but never reaching the next collective
-        time.sleep(3600)
+    rank = int(os.environ.get("RANK", "0"))
+    for f in faults:
+        if f.point != name or (f.rank is not None and f.rank != rank):
+            continue
+        if f.step is not None and f.step != step:
+            continue
+        if f.attempt is not None and f.attempt != restart_attempt():
+            continue
+        print(f"{ENV}: {f.action} rank {rank} at {name}, step {step}", file=sys.stderr, flush=True)
+        if f.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            code = _ERRNO[f.action]
+            raise OSError(code, f"{os.strerror(code)} (injected by {ENV} at {name})")

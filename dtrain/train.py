@@ -218,7 +218,6 @@ def run(cfg: TrainConfig) -> dict:
 def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
-    faults.configure(faults.plan_from(cfg.debug), env.rank)
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
@@ -318,6 +317,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     throughput.restart()
 
     while step < end_step:
+        faults.point("train.step", step=step + 1)
         micro_batches = stream.next_step()
         for i, (x, y) in enumerate(micro_batches):
             loss = strategy.forward_backward(x, y, last_micro=i == accum - 1, loss_div=accum)
@@ -367,7 +367,6 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             loss_sum.zero_()
             steps_since_log = 0
         progress.update(step, info)
-        faults.hit("train.step", step)
 
         if t.eval_every > 0 and step % t.eval_every == 0 and step != end_step:
             eval_history.append((step, do_eval(step)))
