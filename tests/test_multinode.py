@@ -287,3 +287,39 @@ def test_pytorchjob_agrees_with_the_entrypoint():
     from tests.conftest import compose
 
     compose(*args)  # the overrides are a valid config
+
+
+@pytest.mark.slow
+def test_run_dir_on_node_local_disk_is_refused(nodes, tmp_path):
+    if not nodes.isolated or not shutil.which("unshare"):
+        pytest.skip("needs network and mount namespaces (root)")
+    local = tmp_path / "local"
+    local.mkdir()
+    run_dir = local / "run"
+
+    def node1_with_private_disk(cmd):
+        # Node 1 sees its own empty tmpfs where node 0 sees the real directory: a node-local
+        # run dir, as on a cluster without a shared filesystem.
+        sh = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
+        return nodes.nodes[1].wrap(["unshare", "--mount", "sh", "-c", sh, str(local), *cmd])
+
+    procs = []
+    for i, wrap in enumerate([nodes.nodes[0].wrap, node1_with_private_disk]):
+        env = {
+            "NNODES": "2",
+            "NPROC_PER_NODE": "1",
+            "RDZV_ENDPOINT": nodes.endpoint,
+            "RDZV_ID": "local-disk",
+            **nodes.node_env(i),
+        }
+        procs.append(entrypoint(env, *ARGS, f"hydra.run.dir={run_dir}", wrap=wrap))
+    outs = []
+    try:
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    assert f"error: run dir {run_dir} is not shared: rank(s) [1] on node1" in outs[0], outs[0]
+    assert not (run_dir / "metrics.jsonl").exists()  # refused before training
