@@ -128,3 +128,17 @@ def test_fault_fires_only_on_its_rank_step_and_attempt(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(OSError, match="injected by DTRAIN_FAULT at train.step"):
         faults.point("train.step", step=5)
+
+
+def test_memory_per_rank_names_host_and_local_rank(monkeypatch):
+    import socket
+
+    from dtrain.metrics import gather_memory, memory_scalars
+    from dtrain.strategies import StateBytes
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    (mem,) = gather_memory(StateBytes(1, 2, 3), torch.device("cpu"))
+    assert (mem["host"], mem["local_rank"]) == (socket.gethostname(), 3)
+    scalars = memory_scalars([mem])  # TensorBoard gets the byte counts, not the labels
+    assert scalars["memory/rank0/params_bytes"] == 1
+    assert not any(k.endswith(("/host", "/local_rank")) for k in scalars)
