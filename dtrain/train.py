@@ -21,6 +21,7 @@ from dtrain.checkpoint import CheckpointManager, latest_complete
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.inspector import Inspector
 from dtrain.metrics import (
     MetricsWriter,
     Throughput,
@@ -31,6 +32,7 @@ from dtrain.metrics import (
 from dtrain.model import count_params, flops_per_token
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
+from dtrain.profiling import StepProfiler
 from dtrain.strategies import build_strategy
 
 log = logging.getLogger("dtrain")
@@ -215,6 +217,12 @@ def run(cfg: TrainConfig) -> dict:
 
 def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     setup_logging(env.is_main)
+    if cfg.model.init_from:  # the architecture comes from the directory we start from
+        from dtrain.hf import model_config_from_hf, parse_init_from
+
+        cfg = replace(
+            cfg, model=model_config_from_hf(parse_init_from(cfg.model.init_from), cfg.model)
+        )
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
@@ -253,6 +261,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         stream.load_state_dict(manifest["data"])
         step = int(manifest["step"])
         log.info("resumed from %s (step %d)", resume_path, step)
+    elif cfg.model.init_from:
+        from dtrain.hf import load_hf_into, parse_init_from
+
+        load_hf_into(strategy.unwrapped(), parse_init_from(cfg.model.init_from))
+        log.info("initialised the weights from %s", cfg.model.init_from)
 
     end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     n_params = count_params(cfg.model)
@@ -260,6 +273,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     peak = peak_flops(env.device, cfg.metrics)
     tokens_per_step = global_batch * t.seq_len
     writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
+    inspector = Inspector(cfg.inspect, strategy, data.tokenizer, writer, env)
+    profiler = StepProfiler(cfg.profile, run_dir, env)
     if step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
     log.info(
@@ -293,6 +308,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         writer.scalars(at_step, {"eval/loss": loss, "eval/ppl": ppl})
         writer.record({"step": at_step, "eval_loss": loss, "eval_ppl": ppl})
         log.info("eval at step %d: loss %.4f, ppl %.2f", at_step, loss, ppl)
+        # Samples and attention maps are hundreds of small forwards: kept out of a trace.
+        inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
     stop = StopSignal(env.device, env.distributed)
@@ -308,6 +325,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     if step == 0 and t.eval_every > 0:
         eval_history.append((0, do_eval(0)))
     throughput.restart()
+    profiler.start()
 
     while step < end_step:
         micro_batches = stream.next_step()
@@ -316,6 +334,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             loss_sum += loss.float() / accum
         lr = lr_at(step, cfg.optim, t.max_steps)
         grad_norm = strategy.clip_and_step(lr, t.grad_clip)
+        profiler.step()
         step += 1
         steps_since_log += 1
         throughput.add(tokens_per_step)
@@ -371,6 +390,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             save(step)
             throughput.restart()
 
+    profiler.stop()
     if not stopped_by_signal:
         if t.eval_every > 0 and (not eval_history or eval_history[-1][0] != step):
             eval_history.append((step, do_eval(step)))
