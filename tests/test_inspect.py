@@ -1,14 +1,13 @@
 """Samples and attention maps in the event files; profiler traces and the operator table."""
 
 import io
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from dtrain.inspector import VIRIDIS, colormap, head_grid
-from tests.conftest import launch, train
+from tests.conftest import train
 
 
 def _events(run_dir):
@@ -38,7 +37,12 @@ def test_samples_and_attention_maps_are_in_the_event_files(tmp_path):
     from PIL import Image
 
     train(
-        tmp_path, "trainer.max_steps=4", "trainer.eval_every=2", "inspect.attention_max_tokens=20"
+        tmp_path,
+        "trainer.max_steps=4",
+        "trainer.eval_every=2",
+        "inspect.attention_max_tokens=20",
+        "optim.warmup_steps=1",  # a real learning rate from step 1, so the maps visibly move
+        "optim.lr=3e-3",
     )
     acc = _events(tmp_path)
     tags = acc.Tags()
@@ -123,37 +127,3 @@ def test_bad_inspect_settings_are_refused(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=msg):
             train(tmp_path / "run", *args)
-
-
-@pytest.mark.slow
-def test_ddp_run_logs_from_rank0_and_its_checkpoint_loads_on_one_process(tmp_path):
-    """Two gloo ranks: the inspector runs on rank 0 only (the model is a full replica), and
-    the checkpoint written by 2 ranks loads in one process with no process group."""
-    from dtrain.generate import SamplingConfig, generate
-    from dtrain.weights import load_checkpoint
-
-    run = tmp_path / "run"
-    res = launch(
-        "model=tiny",
-        "data.max_bytes=300000",
-        "trainer.seq_len=64",
-        "trainer.micro_batch_size=2",
-        "trainer.eval_steps=1",
-        "trainer.progress_bar=false",
-        "trainer.device=cpu",
-        "trainer.max_steps=2",
-        "trainer.eval_every=2",
-        "inspect.max_new_tokens=4",
-        "strategy=ddp",
-        f"hydra.run.dir={run}",
-        nproc=2,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    tags = _events(run).Tags()
-    assert "attention/layer_00" in tags["images"] and "samples/0/text_summary" in tags["tensors"]
-    assert len(list((run / "tensorboard").glob("events.out.*"))) == 1  # rank 0 wrote alone
-    loaded = load_checkpoint(run / "checkpoints" / "step_0000002")
-    assert loaded.manifest["world_size"] == 2
-    out = generate(loaded.model, torch.tensor([[100, 101]]), SamplingConfig(4, greedy=True))
-    assert out.shape == (1, 6)
-    assert math.isfinite(loaded.model(out).sum().item())
