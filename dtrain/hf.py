@@ -38,6 +38,13 @@ LAYER_KEYS = {
     "ffn.w3.weight": "mlp.up_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight",
 }
+REQUIRED_HF_KEYS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+)
 TOP_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -108,8 +115,11 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, eos_id: int | None = None
         "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
-    if eos_id is not None:
-        out["eos_token_id"] = eos_id
+    # Explicit, or transformers assumes Llama's own ids (bos 1, eos 2), which mean other
+    # tokens in our vocabularies.
+    out["bos_token_id"] = None
+    out["eos_token_id"] = eos_id
+    out["pad_token_id"] = None
     return out
 
 
@@ -128,6 +138,9 @@ def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) ->
     for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if c.get(key, ok) != ok:
             raise ConfigError(f"{path}: {key}={c[key]!r} is not supported (need {ok!r})")
+    missing = [k for k in REQUIRED_HF_KEYS if k not in c]
+    if missing:
+        raise ConfigError(f"{path} lacks {missing[0]}: not a complete Llama config")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":

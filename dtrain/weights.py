@@ -18,7 +18,7 @@ import torch
 from dtrain.checkpoint import CheckpointManager, latest_complete
 from dtrain.config import DataConfig, ModelConfig
 from dtrain.errors import CheckpointError
-from dtrain.model import GPT, build_model
+from dtrain.model import GPT, rope_tables
 
 MODEL_KEY = "model"  # the model's part of the DCP state dict (Strategy.state_dict)
 
@@ -79,6 +79,17 @@ def saved_keys(path: Path) -> set[str]:
     return set(meta.state_dict_metadata)
 
 
+def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
+    """The model with uninitialised weights (they are about to be loaded: drawing a random
+    init for billions of parameters would only waste time) and its RoPE tables."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rope_cache = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+    return model
+
+
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Build the checkpoint's model on `device` and load its weights (any strategy, any world
     size). Only the model is read; optimizer shards stay on disk."""
@@ -88,7 +99,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
     model_cfg, data_cfg, manifest = checkpoint_configs(path)
     # The weights come from the checkpoint: never re-import the run's starting point.
     model_cfg = dataclasses.replace(model_cfg, init_from=None)
-    model = build_model(model_cfg, device)
+    model = _empty_model(model_cfg, device)
     state = {MODEL_KEY: model.state_dict()}  # tensors share storage with the parameters
     have = saved_keys(path)
     missing = sorted(f"{MODEL_KEY}.{k}" for k in state[MODEL_KEY] if f"{MODEL_KEY}.{k}" not in have)

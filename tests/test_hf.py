@@ -127,9 +127,11 @@ def test_export_cli_generate_cli_and_init_from(trained_run, tmp_path):
     out = export([f"checkpoint={trained_run}", f"out={tmp_path / 'hf'}"])
     loaded = load_checkpoint(trained_run / "checkpoints" / "step_0000003")
     x = torch.randint(0, 257, (1, 64), generator=torch.Generator().manual_seed(3))
-    theirs, _ = _hf_logits(out, x)
+    theirs, hf = _hf_logits(out, x)
     with torch.no_grad():
         assert (loaded.model(x) - theirs).abs().max().item() < 1e-4
+    # the byte tokenizer's end-of-text, and no BOS (not Llama's defaults 1 and 2)
+    assert hf.config.eos_token_id == 256 and hf.config.bos_token_id is None
 
     # The generate CLI decodes with the run's tokenizer; greedy is deterministic and equals
     # the cache-free path.
