@@ -93,6 +93,40 @@ class MetricsConfig:
 
 
 @dataclass
+class InspectConfig:
+    """What each eval shows of the model's inside (dtrain/inspector.py); rank 0 writes it."""
+
+    samples: bool = True  # sample text from `prompts`, logged as TensorBoard text
+    prompts: list[str] = field(default_factory=lambda: ["def ", "import ", "class "])
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = 0.95
+    seed: int = 0  # the same draws at every eval, so the text changes only with the model
+    attention_maps: bool = True  # attention weights per layer and head as TensorBoard images
+    attention_prompt: str = "def forward(self, x):\n    return self.proj(x) + x\n"
+    attention_max_tokens: int = 48  # prompt tokens shown (the map is that many squared)
+    attention_layers: list[int] | None = None  # None: every layer
+    attention_scale: int = 4  # pixels per attention entry
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over training steps: wait, warmup, then record `active` steps, `repeat`
+    times (0: until the end). Traces go to <run_dir>/tensorboard/profile/ (all ranks)."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    row_limit: int = 20  # rows of the top-operators table printed at the end
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -102,6 +136,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    inspect: InspectConfig = field(default_factory=InspectConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     seed: int = 1337
     resume: str = "auto"  # auto | never | <path to a checkpoint folder>
     run_dir: str = "outputs/run"
@@ -259,6 +295,7 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    validate_inspect(cfg.inspect, cfg.profile, m)
     _positive(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
@@ -268,6 +305,29 @@ def validate(cfg: TrainConfig) -> None:
             f"resume={cfg.resume!r}: no such checkpoint folder; "
             "choose auto, never, or the path of a checkpoints/step_NNNNNNN folder"
         )
+
+
+def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None:
+    _positive(i.max_new_tokens, "inspect.max_new_tokens", allow_zero=True)
+    _positive(i.temperature, "inspect.temperature", allow_zero=True)
+    _positive(i.top_k, "inspect.top_k", allow_zero=True)
+    if i.top_p is not None and not 0.0 < i.top_p <= 1.0:
+        raise ConfigError(f"inspect.top_p must be in (0, 1], got {i.top_p}")
+    for key in ("attention_max_tokens", "attention_scale"):
+        _positive(getattr(i, key), f"inspect.{key}")
+    for layer in i.attention_layers or []:
+        if not 0 <= layer < m.n_layer:
+            raise ConfigError(
+                f"inspect.attention_layers has {layer}; the model has layers 0..{m.n_layer - 1}"
+            )
+    for key in ("wait", "warmup", "repeat"):
+        _positive(getattr(p, key), f"profile.{key}", allow_zero=True)
+    _positive(p.active, "profile.active")
+    _positive(p.row_limit, "profile.row_limit")
+    if m.init_from is not None:
+        from dtrain.hf import parse_init_from
+
+        parse_init_from(m.init_from)
 
 
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:

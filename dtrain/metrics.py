@@ -145,6 +145,11 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)
 
+    def image(self, tag: str, img, step: int) -> None:
+        """An RGB uint8 image, shape (3, H, W)."""
+        if self.tb is not None:
+            self.tb.add_image(tag, img, step, dataformats="CHW")
+
     def flush(self) -> None:
         if self.tb is not None:
             self.tb.flush()

@@ -22,6 +22,7 @@ from dtrain.checkpoint import CheckpointManager, latest_complete
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.inspector import Inspector
 from dtrain.metrics import (
     MetricsWriter,
     Throughput,
@@ -32,6 +33,7 @@ from dtrain.metrics import (
 from dtrain.model import count_params, flops_per_token
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
+from dtrain.profiling import StepProfiler
 from dtrain.strategies import build_strategy
 from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
 
@@ -218,6 +220,12 @@ def run(cfg: TrainConfig) -> dict:
 def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
+    if cfg.model.init_from:  # the architecture comes from the directory we start from
+        from dtrain.hf import model_config_from_hf, parse_init_from
+
+        cfg = replace(
+            cfg, model=model_config_from_hf(parse_init_from(cfg.model.init_from), cfg.model)
+        )
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
@@ -258,6 +266,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         stream.load_state_dict(manifest["data"])
         step = int(manifest["step"])
         log.info("resumed from %s (step %d)", resume_path, step)
+    elif cfg.model.init_from:
+        from dtrain.hf import load_hf_into, parse_init_from
+
+        load_hf_into(strategy.unwrapped(), parse_init_from(cfg.model.init_from))
+        log.info("initialised the weights from %s", cfg.model.init_from)
 
     end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     n_params = count_params(cfg.model)
@@ -267,6 +280,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
     if nodes is not None:
         log.info("ranks: %s", describe(nodes))
+    inspector = Inspector(cfg.inspect, strategy, data.tokenizer, writer, env)
+    profiler = StepProfiler(cfg.profile, run_dir, env)
     if step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
     log.info(
@@ -300,6 +315,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         writer.scalars(at_step, {"eval/loss": loss, "eval/ppl": ppl})
         writer.record({"step": at_step, "eval_loss": loss, "eval_ppl": ppl})
         log.info("eval at step %d: loss %.4f, ppl %.2f", at_step, loss, ppl)
+        # Samples and attention maps are hundreds of small forwards: kept out of a trace.
+        inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
     stop = StopSignal(env.device, env.distributed)
@@ -315,6 +332,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     if step == 0 and t.eval_every > 0:
         eval_history.append((0, do_eval(0)))
     throughput.restart()
+    profiler.start()
 
     while step < end_step:
         faults.point("train.step", step=step + 1)
@@ -324,6 +342,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             loss_sum += loss.float() / accum
         lr = lr_at(step, cfg.optim, t.max_steps)
         grad_norm = strategy.clip_and_step(lr, t.grad_clip)
+        profiler.step()
         step += 1
         steps_since_log += 1
         throughput.add(tokens_per_step)
@@ -379,6 +398,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             save(step)
             throughput.restart()
 
+    profiler.stop()
     if not stopped_by_signal:
         if t.eval_every > 0 and (not eval_history or eval_history[-1][0] != step):
             eval_history.append((step, do_eval(step)))

@@ -22,6 +22,7 @@ FAST = [
     "trainer.eval_steps=2",
     "trainer.progress_bar=false",
     "trainer.device=cpu",
+    "inspect.max_new_tokens=8",  # samples at each eval: short, so evals stay cheap
 ]
 
 

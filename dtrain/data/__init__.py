@@ -64,4 +64,16 @@ def build_data(cfg: DataConfig, *, seq_len: int, seed: int, device: torch.device
     return DataBundle(train, evals, tokenizer, padded_vocab(tokenizer.vocab_size))
 
 
-__all__ = ["BatchStream", "DataBundle", "build_data", "eval_batches"]
+def build_tokenizer(cfg: DataConfig):
+    """The tokenizer a data config trains with, without reading any data (generation and
+    export need it); None for synthetic data, whose tokens mean nothing."""
+    if cfg.source == "synthetic":
+        return None
+    if cfg.tokenizer not in TOKENIZERS:
+        raise ConfigError(
+            f"unknown data.tokenizer '{cfg.tokenizer}'; valid choices: {', '.join(TOKENIZERS)}"
+        )
+    return ByteTokenizer()
+
+
+__all__ = ["BatchStream", "DataBundle", "build_data", "build_tokenizer", "eval_batches"]

@@ -1,0 +1,46 @@
+"""key=value command lines for the small CLIs, parsed into a typed dataclass.
+
+Values are read as YAML scalars (64, 0.9, true, null), except for string fields, which keep the
+text exactly as typed: a prompt like `prompt=def f(x):` must not be parsed as YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from dtrain.config import build_dataclass
+from dtrain.errors import ConfigError
+
+
+def _is_plain_str(tp: Any) -> bool:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return tp is str or args == [str]
+
+
+def parse_kv(cls: type, argv: list[str], required: tuple[str, ...] = ()) -> Any:
+    """`key=value ...` -> cls(...); unknown keys, bad types and missing keys -> ConfigError."""
+    import yaml
+
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    data: dict[str, Any] = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        key = key.lstrip("+")
+        if not sep or not key:
+            raise ConfigError(
+                f"argument {arg!r} is not key=value; valid keys: {', '.join(sorted(fields))}"
+            )
+        if key in hints and _is_plain_str(hints[key]) and raw not in ("null", "None"):
+            data[key] = raw
+            continue
+        try:
+            data[key] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            data[key] = raw
+    missing = [k for k in required if data.get(k) in (None, "")]
+    if missing:
+        raise ConfigError(f"{missing[0]}= is required")
+    return build_dataclass(cls, data)

@@ -1,0 +1,78 @@
+"""Export a checkpoint: to Hugging Face Llama, or consolidated into one torch file.
+
+    python -m dtrain.cli.export checkpoint=PATH out=DIR                 # LlamaForCausalLM
+    python -m dtrain.cli.export checkpoint=PATH out=DIR dtype=bfloat16
+    python -m dtrain.cli.export checkpoint=PATH out=FILE.pt format=torch  # one file, any sharding
+
+format=hf writes DIR/model.safetensors + DIR/config.json (+ the tokenizer files when the run
+used a Hugging Face tokenizer): `LlamaForCausalLM.from_pretrained(DIR)` loads it, and
+`model.init_from=hf:DIR` trains from it. format=torch writes the whole training state (model,
+optimizer, manifest) of a checkpoint saved by any number of ranks into one torch.save file.
+`checkpoint` is a checkpoints/step_NNNNNNN folder or a run dir (its newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.errors import ConfigError, UserError, fail
+
+
+@dataclass
+class ExportArgs:
+    checkpoint: str = ""
+    out: str = ""
+    format: str = "hf"  # hf | torch
+    dtype: str = "float32"  # hf only: float32 | bfloat16 | float16
+
+
+FORMATS = ("hf", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    import torch
+
+    from dtrain.cli._kv import parse_kv
+
+    args = parse_kv(ExportArgs, sys.argv[1:] if argv is None else argv, ("checkpoint", "out"))
+    if args.format not in FORMATS:
+        raise ConfigError(f"format={args.format!r} is not valid; choose {', '.join(FORMATS)}")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
+    from dtrain.weights import consolidate, load_checkpoint, resolve_checkpoint
+
+    path = resolve_checkpoint(args.checkpoint)
+    out = Path(args.out)
+    if args.format == "torch":
+        if out.is_dir():
+            out = out / f"{path.name}.pt"
+        consolidate(path, out)
+        print(f"wrote {out}")
+        return out
+
+    from dtrain.data import build_tokenizer
+    from dtrain.hf import save_hf
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out} is a file; format=hf writes a directory")
+    loaded = load_checkpoint(path, "cpu")
+    tokenizer = build_tokenizer(loaded.data_cfg)
+    save_hf(
+        loaded.model.state_dict(),
+        loaded.model_cfg,
+        out,
+        dtype=getattr(torch, args.dtype),
+        tokenizer=tokenizer,
+    )
+    print(f"wrote {out} (LlamaForCausalLM, {args.dtype}) from {path}")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        fail(e, rank0_only=False)

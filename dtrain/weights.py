@@ -1,0 +1,142 @@
+"""Model weights outside training: load any training checkpoint on one device, consolidate one.
+
+A checkpoint folder (`checkpoints/step_NNNNNNN/`) is a torch.distributed.checkpoint (DCP) save
+by every rank of the run plus a manifest holding the run's config. DCP stores each tensor with
+its global shape and where every shard lives, so it reshards on load: a checkpoint written by
+8 FSDP ranks loads into one plain model, in one process, with no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dtrain.checkpoint import CheckpointManager, latest_complete
+from dtrain.config import DataConfig, ModelConfig
+from dtrain.errors import CheckpointError
+from dtrain.model import GPT, rope_tables
+
+MODEL_KEY = "model"  # the model's part of the DCP state dict (Strategy.state_dict)
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: GPT
+    model_cfg: ModelConfig
+    data_cfg: DataConfig
+    manifest: dict
+
+
+def _config_from(cls: type, values: dict, what: str) -> typing.Any:
+    """A dataclass from a saved dict; keys this version does not know are ignored (a newer
+    checkpoint may carry more settings than the model needs)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in values.items() if k in names})
+    except TypeError as e:
+        raise CheckpointError(f"the {what} config in the manifest is unusable: {e}") from None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run dir (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        latest = latest_complete(path / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"run dir {path} holds no complete checkpoint")
+        return latest
+    CheckpointManager.read_manifest(path)  # exists and complete, or a one-line error
+    return path
+
+
+def checkpoint_configs(path: Path) -> tuple[ModelConfig, DataConfig, dict]:
+    """The model and data configs a checkpoint was trained with, and its manifest."""
+    manifest = CheckpointManager.read_manifest(Path(path))
+    config = manifest.get("config")
+    if not isinstance(config, dict) or "model" not in config:
+        raise CheckpointError(
+            f"checkpoint {path}: manifest.json has no run config (saved by an older dtrain?)"
+        )
+    model_cfg = _config_from(ModelConfig, config["model"], "model")
+    data_cfg = _config_from(DataConfig, config.get("data", {}), "data")
+    if model_cfg.vocab_size is None:
+        raise CheckpointError(f"checkpoint {path}: the saved model config has no vocab_size")
+    return model_cfg, data_cfg, manifest
+
+
+def saved_keys(path: Path) -> set[str]:
+    """Names of the tensors in a DCP checkpoint (from its .metadata index)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # missing or corrupt .metadata
+        raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({e})") from None
+    return set(meta.state_dict_metadata)
+
+
+def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
+    """The model with uninitialised weights (they are about to be loaded: drawing a random
+    init for billions of parameters would only waste time) and its RoPE tables."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rope_cache = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+    return model
+
+
+def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
+    """Build the checkpoint's model on `device` and load its weights (any strategy, any world
+    size). Only the model is read; optimizer shards stay on disk."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    model_cfg, data_cfg, manifest = checkpoint_configs(path)
+    # The weights come from the checkpoint: never re-import the run's starting point.
+    model_cfg = dataclasses.replace(model_cfg, init_from=None)
+    model = _empty_model(model_cfg, device)
+    state = {MODEL_KEY: model.state_dict()}  # tensors share storage with the parameters
+    have = saved_keys(path)
+    missing = sorted(f"{MODEL_KEY}.{k}" for k in state[MODEL_KEY] if f"{MODEL_KEY}.{k}" not in have)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {len(missing)} model tensors (first: {missing[0]}); "
+            "it was not saved by dtrain's Strategy.state_dict"
+        )
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
+    # DCP loads in place into the state dict's tensors, which are the parameters; should it
+    # ever hand back a new tensor instead, copy it in.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for k, t in state[MODEL_KEY].items():
+        if k in params and t.data_ptr() != params[k].data_ptr():
+            params[k].data.copy_(t)
+    model.eval()
+    return LoadedCheckpoint(model, model_cfg, data_cfg, manifest)
+
+
+def consolidate(path: str | Path, out_file: str | Path) -> Path:
+    """Write a (possibly sharded) DCP checkpoint as one torch.save file: {"model": ..., "optim":
+    ..., "manifest": ...}, loadable with torch.load(weights_only=False) on one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path, out_file = Path(path), Path(out_file)
+    manifest = CheckpointManager.read_manifest(path)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    dcp_to_torch_save(str(path), str(tmp))
+    # dcp_to_torch_save writes the state alone; the manifest (run config, step) makes the file
+    # self-describing. Re-saving costs one more pass, which a one-off export can afford.
+    state = torch.load(tmp, weights_only=False)
+    state["manifest"] = manifest
+    torch.save(state, tmp)
+    tmp.replace(out_file)
+    return out_file
