@@ -23,6 +23,15 @@ from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.inspector import Inspector
+from dtrain.memory import (
+    TB_LAYOUT,
+    markdown_breakdown,
+    predicted_record,
+    predicted_scalars,
+    prediction_error_pct,
+    run_prediction,
+    summary_text,
+)
 from dtrain.metrics import (
     MetricsWriter,
     Throughput,
@@ -203,6 +212,22 @@ def evaluate(strategy, data, cfg: TrainConfig, env) -> float:
     return strategy.mean_across_ranks(total / t.eval_steps).item()
 
 
+def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, step: int):
+    """Predicted memory per GPU, logged at the start (memory/predicted/*, a text summary, a
+    custom-scalars layout, `memory_predicted` in metrics.jsonl). Returns the plan."""
+    compile_enabled = bool(getattr(strategy, "compile_enabled", False))
+    plan, setup = run_prediction(cfg, precision, env, compile_enabled)
+    text = summary_text(plan, setup, cfg.model)
+    log.info("memory: %s", text)
+    if step == 0:
+        writer.scalars(0, predicted_scalars(plan))
+        writer.text("memory/predicted", markdown_breakdown(plan, text), 0)
+        if writer.tb is not None:
+            writer.tb.add_custom_scalars(TB_LAYOUT)
+        writer.record({"step": 0, "memory_predicted": predicted_record(plan)})
+    return plan
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train per `cfg`. Returns a summary (final step, last losses) for callers and tests."""
     from dtrain.strategies import STRATEGIES
@@ -284,6 +309,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     profiler = StepProfiler(cfg.profile, run_dir, env)
     if step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
+    mem_plan = log_memory_prediction(cfg, precision, strategy, env, writer, step)
     log.info(
         "%s | %s | world %d | model %s: %.2fM params, %.3g FLOPs/token | global batch %d x %d "
         "tokens | run dir %s",
@@ -381,6 +407,10 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
                     **memory_scalars(mem),
                 },
             )
+            if step >= 2:  # after warm-up: optimizer states exist, the peak is steady
+                err, what = prediction_error_pct(mem_plan, mem)
+                info["memory_prediction_error_pct"], info["memory_prediction_compares"] = err, what
+                writer.scalars(step, {"memory/prediction_error_pct": err})
             writer.record(info)
             loss_history.append((step, mean_loss))
             loss_sum.zero_()

@@ -1,0 +1,709 @@
+"""Predicted memory per GPU, and the compute budget of a run.
+
+    plan = plan_memory(model_cfg, MemorySetup(strategy="fsdp", precision=PRECISIONS["bf16"],
+                                              world_size=8, micro_batch_size=4, seq_len=2048))
+    plan.total_bytes, plan.breakdown()
+
+What a rank holds, in five parts:
+
+* **Model state** (params, grads, optimizer states): exact. Every parameter tensor of the model is
+  enumerated on the meta device and laid out the way each strategy stores it: whole (single,
+  DDP), one padded dim-0 shard per tensor (FSDP2, ZeRO-3), or flat partitions (ZeRO-1/2). Bytes
+  come from the Precision's dtypes, never from its name. AdamW keeps exp_avg and exp_avg_sq per
+  parameter plus a 0-d fp32 `step` tensor per parameter tensor. This reproduces, to the byte, the
+  `params_bytes`/`grads_bytes`/`optim_bytes` that strategies measure (tests check it).
+  In Ψ units this is the ZeRO paper's table (Rajbhandari et al. 2019): DDP (2+2+K)Ψ, ZeRO-1
+  (2+2)Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3/FSDP (2+2+K)Ψ/N, with our byte counts.
+* **Activations** saved for backward: Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models") count sbh(34 + 5as/h) bytes per layer for GPT at 16 bits. We
+  count our own blocks tensor by tensor instead (see `layer_activation_bytes`): fused SDPA keeps
+  no s x s scores (the 5as/h term goes; a log-sum-exp of b·a·s fp32 stays), SwiGLU keeps three
+  f-wide tensors plus its product, RMSNorm keeps its fp32 input, and the residual stream stays in
+  the parameter dtype under autocast.
+* **Transient** buffers at the peak: the logits and the fp32 loss at the start of backward,
+  FSDP's all-gathered block (plus the prefetched next one) and its unsharded gradients, DeepSpeed's
+  communication buckets, the recomputed block under activation checkpointing.
+* **Fixed overhead**: the CUDA context (outside what PyTorch reserves) and the caching allocator's
+  slack (reserved minus allocated).
+
+Gradients do not always live at the same time as activations: with set_to_none, gradients are
+created during backward while activations are freed. `peak_bytes` takes the larger of the two
+phases (start of backward, optimizer step); `breakdown()` shows what is alive at that peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from dtrain.model import GPT, ModelConfig, count_params, flops_per_token
+
+GiB = 1024**3
+
+
+# Usable capacity (what torch.cuda reports as total_memory, approximately) and dense peak
+# FLOP/s from the datasheets (SXM parts; 16-bit tensor cores, TF32, and plain fp32).
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+    tf32_flops: float
+    fp32_flops: float
+
+
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec("h200-141gb", int(139.8 * GiB), 989e12, 494.7e12, 67e12),
+        GpuSpec("h100-80gb", int(79.1 * GiB), 989e12, 494.7e12, 67e12),
+        GpuSpec("h100-pcie-80gb", int(79.1 * GiB), 756e12, 378e12, 51e12),
+        GpuSpec("a100-80gb", int(79.1 * GiB), 312e12, 156e12, 19.5e12),
+        GpuSpec("a100-40gb", int(39.4 * GiB), 312e12, 156e12, 19.5e12),
+        GpuSpec("l40s-48gb", int(44.4 * GiB), 362e12, 183e12, 91.6e12),
+        GpuSpec("a10g-24gb", int(22.0 * GiB), 125e12, 62.5e12, 31.2e12),
+        GpuSpec("l4-24gb", int(22.0 * GiB), 121e12, 60e12, 30.3e12),
+        GpuSpec("rtx4090-24gb", int(23.6 * GiB), 165e12, 82.6e12, 82.6e12),
+    )
+}
+
+# The CUDA context (driver, kernels of torch/cuBLAS/NCCL loaded lazily) lives outside PyTorch's
+# caching allocator: nvidia-smi shows it, torch.cuda.max_memory_reserved does not.
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)
+# Reserved exceeds allocated: the caching allocator rounds blocks up (2 MiB segments for small
+# allocations, 20 MiB for large ones) and keeps freed blocks of other sizes. A stated fraction of
+# the dynamic (activation + transient) memory, the part that churns every step.
+ALLOCATOR_SLACK = 0.10
+
+STRATEGY_NAMES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
+CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass
+class MemorySetup:
+    """Everything besides the model config that decides memory per GPU."""
+
+    strategy: str
+    precision: object  # dtrain.precision.Precision (duck-typed: its dtype fields are read)
+    world_size: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 256
+    activation_checkpointing: str = "none"
+    compile: bool = False  # torch.compile (inductor) changes what backward keeps
+    reshard_after_forward: bool = True  # fsdp
+    replicate_degree: int = 1  # fsdp: HSDP replicas (shard within world_size / replicate_degree)
+    cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
+    offload_optimizer: bool = False  # zero*: optimizer states (and fp32 master) on the host
+    offload_params: bool = False  # zero3: parameters on the host
+    ds_bucket_elements: int = 500_000_000  # DeepSpeed's reduce/allgather bucket defaults
+    device: str = "cuda"  # cpu: no context, no allocator slack
+    rank: int = 0  # model state is planned for this rank (FSDP's last ranks may hold less)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU for one rank. `peak_bytes` is what the caching allocator reserves."""
+
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    activations_bytes: int
+    transient_bytes: int
+    overhead_bytes: int  # allocator slack (inside reserved) + CUDA context (outside it)
+    context_bytes: int  # the CUDA-context part of overhead_bytes
+    peak_bytes: int  # predicted torch peak reserved (= total_bytes - context_bytes)
+    at_peak: dict[str, int]  # what is alive at the peak, by part; sums to total_bytes
+    host_bytes: int = 0  # offloaded model state (CPU memory per rank)
+    phase: str = "backward"  # which moment is the peak: backward | step
+    n_params: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the GPU must hold: the peak reserved plus the CUDA context."""
+        return self.peak_bytes + self.context_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["model_state_bytes"] = self.model_state_bytes
+        return d
+
+
+# --- model state --------------------------------------------------------------------------
+
+
+def param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the model's parameter tensors in `named_parameters` order (tied ones once).
+
+    Built on the meta device: no memory, exact for any size.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StateBytesPerElement:
+    """Bytes per parameter element of each kind of model state, from a Precision's fields."""
+
+    param: int  # the parameter tensor the model computes with or shards
+    grad: int
+    optim: int  # AdamW's two moments, plus an fp32 master copy where the params are narrower
+    step: int = 4  # the 0-d fp32 `step` tensor, per parameter tensor
+
+
+def state_bytes_per_element(precision, deepspeed: bool = False) -> StateBytesPerElement:
+    """torch AdamW keeps its moments in the parameter's dtype (zeros_like), so `optim_dtype`
+    differing from `param_dtype` means an optimizer that keeps its own copies: a master copy
+    (`master_dtype`, when the Precision has one) and moments in `optim_dtype`.
+
+    DeepSpeed under a 16-bit compute dtype casts the module itself to that dtype and keeps an
+    fp32 master partition plus fp32 moments in its optimizer: ZeRO's 2 + 2 + 12 bytes.
+    """
+    p = _itemsize(precision.param_dtype)
+    o = _itemsize(precision.optim_dtype)
+    if deepspeed and precision.compute_dtype != precision.param_dtype:
+        c = _itemsize(precision.compute_dtype)
+        return StateBytesPerElement(param=c, grad=c, optim=p + 2 * o)
+    master = getattr(precision, "master_dtype", None)
+    extra = _itemsize(master) if master is not None and master != precision.param_dtype else 0
+    return StateBytesPerElement(param=p, grad=p, optim=2 * o + extra)
+
+
+def _fsdp_rows(dim0: int, shard: int, shard_rank: int) -> tuple[int, int]:
+    """(padded rows, real rows) of one rank's dim-0 shard: FSDP2 pads dim 0 to a multiple of
+    the shard group; the storage holds the padded chunk, the optimizer state only real rows."""
+    chunk = -(-dim0 // shard)
+    real = max(0, min(chunk, dim0 - shard_rank * chunk))
+    return chunk, real
+
+
+def model_state_bytes(
+    shapes: list[tuple[int, ...]], setup: MemorySetup
+) -> tuple[int, int, int, list[str]]:
+    """(params, grads, optim) bytes held by `setup.rank`, laid out as the strategy lays them."""
+    s, n, notes = setup.strategy, setup.world_size, []
+    ds = s.startswith("zero")
+    b = state_bytes_per_element(setup.precision, deepspeed=ds)
+    total = sum(_numel(sh) for sh in shapes)
+    steps = len(shapes) * b.step
+    if s in ("single", "ddp"):
+        # DDP's gradients are views into its buckets (gradient_as_bucket_view): one copy.
+        return total * b.param, total * b.grad, total * b.optim + steps, notes
+    if s == "fsdp":
+        shard = n // max(1, setup.replicate_degree)
+        r = setup.rank % shard
+        padded = real = 0
+        for sh in shapes:
+            rest = _numel(sh[1:])
+            chunk, rows = _fsdp_rows(sh[0], shard, r)
+            padded += chunk * rest
+            real += rows * rest
+        if padded != real:
+            notes.append(f"FSDP pads dim 0 of each tensor to a multiple of {shard}")
+        # Params and the reduce-scattered grads keep the padded chunk; AdamW's states are
+        # zeros_like the unpadded local view.
+        return padded * b.param, padded * b.grad, real * b.optim + steps, notes
+    if s in ("zero1", "zero2"):
+        # DeepSpeed flattens each param group and pads it to a multiple of 2·N elements
+        # (nccl_start_alignment_factor = 2) before cutting N equal partitions.
+        part = sum(-(-g // (2 * n)) * 2 for g in _decay_groups(shapes))
+        grads = total * b.grad if s == "zero1" else part * b.grad
+        return total * b.param, grads, part * b.optim + 2 * b.step, notes
+    if s == "zero3":
+        part = sum(-(-_numel(sh) // n) for sh in shapes)  # each tensor partitioned, padded
+        return part * b.param, part * b.grad, part * b.optim + 2 * b.step, notes
+    raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGY_NAMES)}")
+
+
+def _decay_groups(shapes: list[tuple[int, ...]]) -> list[int]:
+    """Elements in AdamW's two parameter groups (decayed matrices, undecayed vectors)."""
+    return [
+        sum(_numel(s) for s in shapes if len(s) >= 2),
+        sum(_numel(s) for s in shapes if len(s) < 2),
+    ]
+
+
+# --- activations --------------------------------------------------------------------------
+
+
+def layer_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Bytes one transformer block saves for backward, for one micro-batch.
+
+    Eager autocast (what the code in dtrain/model.py does, tensor by tensor), with
+    c = compute bytes, r = residual bytes (the parameter dtype: the embedding is not autocast),
+    sbh = micro_batch · seq · d_model, f = ffn_hidden:
+      two RMSNorms keep their input x (r·sbh each) and rstd (fp32, b·s each);
+      wq, wk, wv each keep their input: three separate casts to c under autocast, one shared
+      tensor without it; the same for w1, w3 (two casts, or one);
+      SDPA keeps q, k, v (k, v repeated to every head for GQA), its output and the fp32
+      log-sum-exp (b·heads·s); wo reads SDPA's output (a view, no copy);
+      SwiGLU keeps w1's and w3's outputs, silu's output and the product (four c·b·s·f).
+    Compiled (inductor's min-cut partitioner): casts are shared, pointwise ops are recomputed:
+      the norms keep x and the c-cast of their output; SDPA keeps q, out and un-repeated k, v;
+      SwiGLU keeps w1's and w3's outputs only.
+    """
+    pr = setup.precision
+    c, r = _itemsize(pr.compute_dtype), _itemsize(pr.param_dtype)
+    mixed = pr.compute_dtype != pr.param_dtype
+    b, s, h, f = setup.micro_batch_size, setup.seq_len, cfg.d_model, cfg.ffn_hidden
+    bs, sbh = b * s, b * s * h
+    kv = b * s * cfg.n_kv_head * cfg.head_dim
+    lse = 4 * b * cfg.n_head * s
+    if setup.activation_checkpointing == "full":
+        return r * sbh  # only the block's input; the rest is recomputed in backward
+    if setup.activation_checkpointing == "selective":
+        # torchtitan's op-level policy: keep matmul and attention outputs, recompute the rest.
+        mm_out = c * (sbh + 2 * kv) + c * sbh + 2 * c * b * s * f + c * sbh  # q,k,v wo w1,w3 w2
+        return r * sbh + mm_out + c * sbh + lse  # + block input, SDPA out, lse
+    if setup.compile:
+        norms = 2 * (r * sbh + (c * sbh if mixed else 0) + 4 * bs)
+        attn = c * sbh + 2 * c * kv + c * sbh + lse
+        mlp = 2 * c * b * s * f
+        return norms + attn + mlp
+    norms = 2 * (r * sbh + 4 * bs)
+    linear_inputs = (3 + 2) * c * sbh if mixed else 2 * c * sbh
+    attn = 4 * c * sbh + lse
+    mlp = 4 * c * b * s * f
+    return norms + linear_inputs + attn + mlp
+
+
+def head_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Final norm + output layer + loss, saved for backward: the norm's input and rstd, the
+    output layer's (cast) input and the fp32 log-softmax over the vocabulary (or, compiled,
+    the logits in the compute dtype)."""
+    pr = setup.precision
+    c, r = _itemsize(pr.compute_dtype), _itemsize(pr.param_dtype)
+    mixed = pr.compute_dtype != pr.param_dtype
+    bs = setup.micro_batch_size * setup.seq_len
+    norm = r * bs * cfg.d_model + 4 * bs + (c * bs * cfg.d_model if mixed else 0)
+    loss = (c * bs * cfg.vocab_size + 4 * bs) if setup.compile else 4 * bs * cfg.vocab_size
+    return norm + loss
+
+
+def loss_transient_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Extra bytes at the start of backward: the loss's gradient w.r.t. the fp32 log-softmax
+    and w.r.t. its input (eager: 2 x 4 bytes per logit; the c-bytes logits cast back after); in
+    the forward, the c-bytes logits and their fp32 copy were alive at once."""
+    c = _itemsize(setup.precision.compute_dtype)
+    mixed = setup.precision.compute_dtype != setup.precision.param_dtype
+    logits = setup.micro_batch_size * setup.seq_len * cfg.vocab_size
+    if setup.compile:
+        return (4 + c) * logits
+    return max(8, c + (4 if mixed else 0)) * logits
+
+
+# --- putting it together ------------------------------------------------------------------
+
+
+def _block_numel(cfg: ModelConfig) -> int:
+    hd = cfg.head_dim
+    return (
+        2 * cfg.d_model * cfg.n_head * hd
+        + 2 * cfg.d_model * cfg.n_kv_head * hd
+        + (3 * cfg.d_model * cfg.ffn_hidden + 2 * cfg.d_model)
+    )
+
+
+def check_setup(cfg: ModelConfig, setup: MemorySetup) -> None:
+    from dtrain.errors import ConfigError
+
+    if setup.strategy not in STRATEGY_NAMES:
+        raise ConfigError(
+            f"cannot plan strategy '{setup.strategy}'; valid choices: {', '.join(STRATEGY_NAMES)}"
+        )
+    if setup.activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(
+            f"activation_checkpointing={setup.activation_checkpointing!r}; "
+            f"valid choices: {', '.join(CHECKPOINTING)}"
+        )
+    if setup.world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {setup.world_size}")
+    if setup.strategy == "single" and setup.world_size != 1:
+        raise ConfigError("strategy=single runs one process; use world_size=1 or strategy=ddp")
+    rd = max(1, setup.replicate_degree)
+    if setup.world_size % rd:
+        raise ConfigError(f"replicate_degree={rd} does not divide world_size={setup.world_size}")
+    if cfg.vocab_size is None:
+        raise ConfigError("model.vocab_size is unknown: set model.vocab_size=N to plan")
+
+
+def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
+    """Predicted bytes per GPU for rank `setup.rank` (see the module docstring)."""
+    check_setup(cfg, setup)
+    shapes = param_shapes(cfg)
+    n_params = sum(_numel(sh) for sh in shapes)
+    params, grads, optim, notes = model_state_bytes(shapes, setup)
+    pr, s = setup.precision, setup.strategy
+    c = _itemsize(pr.compute_dtype)
+
+    # Offloaded state lives on the host; the GPU keeps none of it.
+    host = 0
+    if s == "fsdp" and setup.cpu_offload:
+        host, params, grads, optim = params + grads + optim, 0, 0, 0
+        notes.append("cpu_offload: sharded params, grads and optimizer states on the host")
+    if s.startswith("zero") and setup.offload_optimizer:
+        host += optim
+        optim = 0
+        notes.append("offload_optimizer: optimizer states and fp32 master on the host")
+    if s == "zero3" and setup.offload_params:
+        host += params
+        params = 0
+        notes.append("offload_params: parameter partitions on the host")
+
+    layers = cfg.n_layer * layer_activation_bytes(cfg, setup)
+    head = head_activation_bytes(cfg, setup)
+    activations = layers + head
+    loss_tmp = loss_transient_bytes(cfg, setup)
+
+    # Transients besides the loss, alive at the start of backward.
+    block = _block_numel(cfg)
+    emb = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) + cfg.d_model
+    transient = loss_tmp
+    recompute = 0
+    if setup.activation_checkpointing != "none":
+        # Backward re-runs one block's forward: its full activations exist for a moment.
+        eager = replace(setup, activation_checkpointing="none")
+        recompute = layer_activation_bytes(cfg, eager)
+    gathered = 0
+    if s == "fsdp":
+        # The root group (embeddings, final norm, output) stays unsharded in the compute dtype
+        # from forward through backward; each block is all-gathered (c bytes) with the next one
+        # prefetched, and its unsharded gradients (c bytes, cast for the reduce) exist before
+        # the reduce-scatter. Without resharding after forward every block stays gathered.
+        gathered = emb * c + 2 * block * c + block * (c + _itemsize(pr.reduce_dtype))
+        if not setup.reshard_after_forward:
+            gathered += (cfg.n_layer - 2) * block * c
+    elif s == "zero3":
+        gathered = 2 * block * c + emb * c + 2 * setup.ds_bucket_elements * c
+    elif s in ("zero1", "zero2"):
+        # The reduce bucket (gradients waiting for their reduce) in the compute dtype.
+        gathered = min(setup.ds_bucket_elements, n_params) * _itemsize(pr.reduce_dtype)
+    transient += gathered + recompute
+
+    # Which gradients coexist with all the activations at the start of backward?
+    # Persistent gradient buffers (DDP's buckets, DeepSpeed's flat partitions) do; gradients
+    # that zero_grad(set_to_none) frees (single, FSDP) are rebuilt while activations are freed,
+    # so only the output layer's gradient exists yet.
+    persistent_grads = grads if s in ("ddp", "zero1", "zero2", "zero3") else 0
+    head_grad = min(grads, cfg.vocab_size * cfg.d_model * _itemsize(pr.param_dtype))
+    grads_at_backward = max(persistent_grads, head_grad if s == "single" else 0)
+    if s == "fsdp":
+        grads_at_backward = 0
+    backward_peak = params + optim + grads_at_backward + activations + transient
+    step_peak = params + optim + grads + gathered
+    phase = "backward" if backward_peak >= step_peak else "step"
+
+    if setup.device == "cuda":
+        context = CUDA_CONTEXT_BYTES
+        slack = int(ALLOCATOR_SLACK * (activations + transient))
+    else:
+        context = slack = 0
+    if phase == "backward":
+        at_peak = {
+            "params": params,
+            "grads": grads_at_backward,
+            "optim": optim,
+            "activations": activations,
+            "transient": transient,
+        }
+    else:
+        at_peak = {
+            "params": params,
+            "grads": grads,
+            "optim": optim,
+            "activations": 0,
+            "transient": gathered,
+        }
+    at_peak["overhead"] = slack + context
+    peak = sum(at_peak.values()) - context
+    return MemoryPlan(
+        params_bytes=params,
+        grads_bytes=grads,
+        optim_bytes=optim,
+        activations_bytes=activations,
+        transient_bytes=transient,
+        overhead_bytes=slack + context,
+        context_bytes=context,
+        peak_bytes=peak,
+        at_peak=at_peak,
+        host_bytes=host,
+        phase=phase,
+        n_params=n_params,
+        notes=notes,
+    )
+
+
+def largest_micro_batch(
+    cfg: ModelConfig, setup: MemorySetup, capacity_bytes: int, limit: int = 4096
+) -> int:
+    """The largest micro-batch whose predicted total fits `capacity_bytes` (0: none fits).
+
+    Memory grows monotonically with the micro-batch, so a doubling then bisection search."""
+
+    def fits(mb: int) -> bool:
+        return plan_memory(cfg, replace(setup, micro_batch_size=mb)).total_bytes <= capacity_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --- compute budget -------------------------------------------------------------------------
+
+
+def gpu_peak_flops(gpu: GpuSpec, precision) -> float:
+    """Dense peak for the precision's compute dtype: 8-bit (int8/fp8) tensor cores run at twice
+    the 16-bit rate; fp32 runs on TF32 tensor cores only where the precision allows it."""
+    c = _itemsize(precision.compute_dtype)
+    if c == 1 or getattr(precision, "int8", False):
+        return 2 * gpu.bf16_flops
+    if c == 2:
+        return gpu.bf16_flops
+    return gpu.tf32_flops if getattr(precision, "tf32", False) else gpu.fp32_flops
+
+
+@dataclass
+class ComputeBudget:
+    n_params: int
+    flops_per_token: float
+    chinchilla_tokens: int  # ~20 tokens per parameter (Hoffmann et al. 2022)
+    tokens: int  # the run's tokens (its own length, or Chinchilla's when asked)
+    total_flops: float
+    petaflop_s_days: float
+    gpu_hours: float | None  # at `mfu` of `peak_flops` per GPU
+    wall_hours: float | None  # gpu_hours / world_size
+    mfu: float
+    peak_flops: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_budget(
+    cfg: ModelConfig,
+    seq_len: int,
+    tokens: int | None,
+    *,
+    world_size: int = 1,
+    peak_flops: float | None = None,
+    mfu: float = 0.4,
+) -> ComputeBudget:
+    """FLOPs for `tokens` (None: Chinchilla-optimal, 20 per parameter), in petaFLOP/s-days and
+    GPU-hours at a stated MFU."""
+    n = count_params(cfg)
+    fpt = flops_per_token(cfg, seq_len)
+    chinchilla = 20 * n
+    tokens = chinchilla if tokens is None else tokens
+    total = fpt * tokens
+    gpu_hours = total / (peak_flops * mfu) / 3600 if peak_flops else None
+    return ComputeBudget(
+        n_params=n,
+        flops_per_token=fpt,
+        chinchilla_tokens=chinchilla,
+        tokens=tokens,
+        total_flops=total,
+        petaflop_s_days=total / (1e15 * 86400),
+        gpu_hours=gpu_hours,
+        wall_hours=gpu_hours / world_size if gpu_hours is not None else None,
+        mfu=mfu,
+        peak_flops=peak_flops,
+    )
+
+
+# --- from a TrainConfig -------------------------------------------------------------------
+
+
+def setup_from_config(
+    cfg, precision, world_size: int, device: str = "cuda", rank: int = 0
+) -> MemorySetup:
+    """A MemorySetup from a TrainConfig. Strategy options are read by name with their
+    defaults, so the planner works before and after a strategy adds them to StrategyConfig."""
+    st, t = cfg.strategy, cfg.trainer
+    compile_ = getattr(st, "compile", None)
+    compile_ = compile_ if compile_ is not None else device == "cuda"
+    ckpt = getattr(st, "activation_checkpointing", "none")
+    if isinstance(ckpt, bool):
+        ckpt = "full" if ckpt else "none"
+    return MemorySetup(
+        strategy=st.name,
+        precision=precision,
+        world_size=world_size,
+        micro_batch_size=t.micro_batch_size,
+        seq_len=t.seq_len,
+        activation_checkpointing=ckpt or "none",
+        compile=bool(compile_),
+        reshard_after_forward=bool(getattr(st, "reshard_after_forward", True)),
+        replicate_degree=int(getattr(st, "replicate_degree", None) or 1),
+        cpu_offload=bool(getattr(st, "cpu_offload", False)),
+        offload_optimizer=bool(getattr(st, "offload_optimizer", False)),
+        offload_params=bool(getattr(st, "offload_params", False)),
+        device=device,
+        rank=rank,
+    )
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
+    """A few sentences: where the memory goes, and the rule of thumb against this breakdown."""
+    n = plan.n_params
+    parts = {
+        "parameters": plan.params_bytes,
+        "gradients": plan.grads_bytes,
+        "optimizer states": plan.optim_bytes,
+        "activations": plan.activations_bytes,
+        "transient buffers": plan.transient_bytes,
+    }
+    biggest = max(parts, key=parts.get)
+    per_param = plan.model_state_bytes / n if n else 0.0
+    full_state = 16 * n  # 4 (fp32 weight) + 4 (grad) + 8 (Adam moments): the 1B -> ~16 GB part
+    thumb = 24 * n  # "24 GB per 1B parameters at fp32": ~4 bytes of weights + 20 extra
+    lines = [
+        f"{setup.strategy} x {setup.precision.name} on {setup.world_size} rank(s), "
+        f"{cfg.name} ({n / 1e6:.1f}M params), micro-batch {setup.micro_batch_size} x "
+        f"{setup.seq_len} tokens: predicted peak {fmt_bytes(plan.total_bytes)} per GPU "
+        f"({plan.phase} is the peak moment).",
+        f"The largest part is {biggest} ({fmt_bytes(parts[biggest])}); model state is "
+        f"{fmt_bytes(plan.model_state_bytes)} = {per_param:.1f} bytes per parameter per GPU, "
+        f"activations and buffers {fmt_bytes(plan.activations_bytes + plan.transient_bytes)}.",
+        f"Rule of thumb: ~20 extra bytes per parameter on top of the weights, 24 GB per 1B "
+        f"parameters at fp32, gives {fmt_bytes(thumb)} for this model; unsharded fp32 AdamW "
+        f"state is really 16 bytes per parameter ({fmt_bytes(full_state)}), and the rest of "
+        f"the rule is an allowance for activations, which here are "
+        f"{fmt_bytes(plan.activations_bytes + plan.transient_bytes)} and grow with "
+        f"micro-batch x sequence, not with parameters.",
+    ]
+    if setup.world_size > 1 and setup.strategy not in ("single", "ddp"):
+        lines.append(
+            f"Sharding over {setup.world_size} ranks cuts model state to {per_param:.1f} "
+            f"bytes per parameter per GPU (16 unsharded)."
+        )
+    lines += plan.notes
+    return " ".join(lines)
+
+
+# --- in a training run --------------------------------------------------------------------
+
+# TensorBoard custom-scalars layout: one chart per quantity with every rank's (and, with
+# --logdir at the parent of several run dirs, every run's) curves overlaid.
+TB_LAYOUT = {
+    "memory": {
+        "peak reserved per rank (CUDA)": [
+            "Multiline",
+            [r"memory/rank\d+/peak_reserved_bytes", r"memory/predicted/peak_reserved_bytes"],
+        ],
+        "peak RSS per rank (CPU)": ["Multiline", [r"memory/rank\d+/peak_rss_bytes"]],
+        "model state per rank": [
+            "Multiline",
+            [r"memory/rank\d+/(params|grads|optim)_bytes", r"memory/predicted/model_state_bytes"],
+        ],
+        "predicted breakdown": ["Multiline", [r"memory/predicted/.*"]],
+        "prediction error %": ["Multiline", [r"memory/prediction_error_pct"]],
+    },
+    "throughput": {
+        "tokens/s per GPU": ["Multiline", [r"perf/tokens_per_s_per_gpu"]],
+        "MFU": ["Multiline", [r"perf/mfu"]],
+        "loss": ["Multiline", [r"train/loss", r"eval/loss"]],
+    },
+}
+
+
+def run_prediction(cfg, precision, env, compile_enabled: bool) -> tuple[MemoryPlan, MemorySetup]:
+    """The plan for rank 0 of this run (the rank that holds the most under FSDP padding)."""
+    setup = setup_from_config(cfg, precision, env.world_size, device=env.device.type)
+    setup = replace(setup, compile=compile_enabled)
+    return plan_memory(cfg.model, setup), setup
+
+
+def predicted_record(plan: MemoryPlan) -> dict:
+    """The `memory_predicted` object of metrics.jsonl."""
+    keys = (
+        "params_bytes",
+        "grads_bytes",
+        "optim_bytes",
+        "activations_bytes",
+        "transient_bytes",
+        "overhead_bytes",
+        "context_bytes",
+        "peak_bytes",
+        "host_bytes",
+    )
+    out = {k: getattr(plan, k) for k in keys}
+    out["total_bytes"] = plan.total_bytes
+    out["model_state_bytes"] = plan.model_state_bytes
+    out["phase"] = plan.phase
+    out["at_peak"] = dict(plan.at_peak)
+    return out
+
+
+def predicted_scalars(plan: MemoryPlan) -> dict:
+    rec = predicted_record(plan)
+    out = {f"memory/predicted/{k}": v for k, v in rec.items() if isinstance(v, int)}
+    out["memory/predicted/peak_reserved_bytes"] = plan.peak_bytes
+    return out
+
+
+def prediction_error_pct(plan: MemoryPlan, memory_per_rank: list[dict]) -> tuple[float, str]:
+    """(error %, what was compared) against the worst rank.
+
+    On CUDA: predicted peak reserved vs the largest measured `peak_reserved_bytes`. Elsewhere
+    (CPU: RSS holds Python, the data and torch itself, nothing a GPU plan describes): predicted
+    model-state bytes vs the largest measured params + grads + optimizer bytes.
+    """
+    if all("peak_reserved_bytes" in m for m in memory_per_rank):
+        measured = max(m["peak_reserved_bytes"] for m in memory_per_rank)
+        predicted, what = plan.peak_bytes, "peak_reserved"
+    else:
+        measured = max(
+            m.get("params_bytes", 0) + m.get("grads_bytes", 0) + m.get("optim_bytes", 0)
+            for m in memory_per_rank
+        )
+        predicted, what = plan.model_state_bytes, "model_state"
+    if measured <= 0:
+        return float("nan"), what
+    return 100.0 * (predicted - measured) / measured, what
+
+
+def markdown_breakdown(plan: MemoryPlan, text: str) -> str:
+    """The TensorBoard text summary: a table of the prediction and the sentences."""
+    rows = [
+        ("parameters", plan.params_bytes),
+        ("gradients", plan.grads_bytes),
+        ("optimizer states", plan.optim_bytes),
+        ("activations", plan.activations_bytes),
+        ("transient buffers", plan.transient_bytes),
+        ("overhead (allocator + CUDA context)", plan.overhead_bytes),
+        (f"**peak per GPU** ({plan.phase})", plan.total_bytes),
+    ]
+    table = "| part | predicted |\n|---|---|\n" + "\n".join(
+        f"| {k} | {fmt_bytes(v)} |" for k, v in rows
+    )
+    return table + "\n\n" + text
