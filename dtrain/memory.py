@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from dtrain.model import GPT, ModelConfig, count_params, flops_per_token
+from dtrain.model import ModelConfig, count_params, flops_per_token
 
 GiB = 1024**3
 
@@ -140,13 +140,28 @@ class MemoryPlan:
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """Shapes of the model's parameter tensors in `named_parameters` order (tied ones once).
+    """Shapes of the model's parameter tensors in `GPT.parameters()` order (tied ones once).
 
-    Built on the meta device: no memory, exact for any size.
+    Written from dtrain/model.py's constructors rather than by building the model on the meta
+    device (which takes seconds for large presets and is repeated by the micro-batch search);
+    a test checks the two agree.
     """
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return [tuple(p.shape) for p in model.parameters()]
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_hidden
+    block = [
+        (d,),  # attn_norm
+        (cfg.n_head * hd, d),  # wq
+        (cfg.n_kv_head * hd, d),  # wk
+        (cfg.n_kv_head * hd, d),  # wv
+        (d, cfg.n_head * hd),  # wo
+        (d,),  # ffn_norm
+        (f, d),  # w1
+        (f, d),  # w3
+        (d, f),  # w2
+    ]
+    shapes = [(cfg.vocab_size, d)] + block * cfg.n_layer + [(d,)]
+    if not cfg.tie_embeddings:
+        shapes.append((cfg.vocab_size, d))
+    return shapes
 
 
 def _numel(shape: tuple[int, ...]) -> int:

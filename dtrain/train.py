@@ -224,7 +224,18 @@ def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, st
         writer.text("memory/predicted", markdown_breakdown(plan, text), 0)
         if writer.tb is not None:
             writer.tb.add_custom_scalars(TB_LAYOUT)
-        writer.record({"step": 0, "memory_predicted": predicted_record(plan)})
+        run_info = {
+            "strategy": strategy.name,
+            "precision": precision.name,
+            "world_size": env.world_size,
+            "model": cfg.model.name,
+            "n_params": plan.n_params,
+            "micro_batch_size": cfg.trainer.micro_batch_size,
+            "seq_len": cfg.trainer.seq_len,
+            "device": env.device.type,
+            "compile": compile_enabled,
+        }
+        writer.record({"step": 0, "run": run_info, "memory_predicted": predicted_record(plan)})
     return plan
 
 
