@@ -683,6 +683,8 @@ def predicted_scalars(plan: MemoryPlan) -> dict:
     rec = predicted_record(plan)
     out = {f"memory/predicted/{k}": v for k, v in rec.items() if isinstance(v, int)}
     out["memory/predicted/peak_reserved_bytes"] = plan.peak_bytes
+    for part, v in plan.at_peak.items():  # what is alive at the peak, for charts
+        out[f"memory/predicted/at_peak_{part}"] = v
     return out
 
 
