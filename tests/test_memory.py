@@ -1,0 +1,436 @@
+"""Predicted memory: exact model-state bytes against what the strategies measure, the ZeRO
+table, the plan CLI, the prediction logged by every run, and compare over real runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.memory import (
+    MemorySetup,
+    largest_micro_batch,
+    layer_activation_bytes,
+    model_state_bytes,
+    param_shapes,
+    plan_memory,
+    setup_from_config,
+)
+from dtrain.model import GPT, ModelConfig
+from dtrain.precision import PRECISIONS
+from tests.conftest import FAST, ROOT, cli_env, compose, launch, read_jsonl, train
+
+STEPS = ["trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=0"]
+F32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
+
+
+def _registered(name: str) -> bool:
+    from dtrain.strategies import STRATEGIES
+
+    return name in STRATEGIES
+
+
+# --- the planner alone ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"vocab_size": 320},
+        {"vocab_size": 320, "n_kv_head": 2, "tie_embeddings": True, "ffn_hidden": 100},
+        {"vocab_size": 1000, "n_layer": 2, "n_head": 8, "d_model": 128},
+    ],
+)
+def test_param_shapes_are_the_models(kw):
+    cfg = ModelConfig(**kw)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert param_shapes(cfg) == [tuple(p.shape) for p in model.parameters()]
+
+
+def _cfg() -> ModelConfig:
+    # Every dim divisible by 2 x 4 ranks: no padding, so the ZeRO table holds exactly.
+    return ModelConfig(n_layer=2, n_head=4, d_model=64, ffn_hidden=128, vocab_size=512)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_state_follows_the_zero_paper_table(precision):
+    cfg, n = _cfg(), 4
+    shapes = param_shapes(cfg)
+    psi, steps = sum(torch.Size(s).numel() for s in shapes), 4 * len(shapes)
+    pr = PRECISIONS[precision]
+
+    def state(strategy, world):
+        return model_state_bytes(shapes, MemorySetup(strategy, pr, world))[:3]
+
+    # torch AdamW under autocast: fp32 params, fp32 grads, two fp32 moments (+ step scalars).
+    assert state("ddp", n) == state("single", 1) == (4 * psi, 4 * psi, 8 * psi + steps)
+    assert state("fsdp", n) == (4 * psi // n, 4 * psi // n, 8 * psi // n + steps)
+    # DeepSpeed: with 16-bit compute the module is cast (2 bytes) and an fp32 master joins
+    # the moments (K = 12); in fp32 there is no master (K = 8).
+    p, k = (2, 12) if precision == "bf16" else (4, 8)
+    ds_steps = 2 * 4  # one step tensor per flat param group
+    assert state("zero1", n) == (p * psi, p * psi, k * psi // n + ds_steps)
+    assert state("zero2", n) == (p * psi, p * psi // n, k * psi // n + ds_steps)
+    assert state("zero3", n) == (p * psi // n, p * psi // n, k * psi // n + ds_steps)
+
+
+def test_fsdp_pads_dim0_and_the_last_rank_holds_less():
+    shapes = [(5, 7), (3,), (1, 4)]
+    s0, s1 = (model_state_bytes(shapes, MemorySetup("fsdp", F32, 2, rank=r))[:3] for r in (0, 1))
+    padded = 3 * 7 + 2 + 1 * 4  # ceil(dim0 / 2) rows of each tensor, on every rank
+    assert s0[:2] == s1[:2] == (4 * padded, 4 * padded)
+    assert s0[2] == 8 * (3 * 7 + 2 + 4) + 12  # real rows only in AdamW's states
+    assert s1[2] == 8 * (2 * 7 + 1 + 0) + 12
+    # HSDP 2 x 2: shards within groups of 2, so the same as 2 ranks.
+    hsdp = MemorySetup("fsdp", F32, 4, replicate_degree=2, rank=3)
+    assert model_state_bytes(shapes, hsdp)[:3] == s1
+
+
+def test_more_micro_batch_more_memory_and_the_largest_that_fits():
+    cfg = ModelConfig(**{**_cfg().__dict__, "vocab_size": 50304})
+    setup = MemorySetup("ddp", BF16, 2, micro_batch_size=1, seq_len=512)
+    totals = [plan_memory(cfg, replace(setup, micro_batch_size=b)).total_bytes for b in (1, 2, 4)]
+    assert totals[0] < totals[1] < totals[2]
+    cap = 2 * 1024**3
+    best = largest_micro_batch(cfg, setup, cap)
+    assert best >= 1
+    assert plan_memory(cfg, replace(setup, micro_batch_size=best)).total_bytes <= cap
+    assert plan_memory(cfg, replace(setup, micro_batch_size=best + 1)).total_bytes > cap
+
+
+def test_sharding_and_checkpointing_cut_memory():
+    cfg = ModelConfig(**{**_cfg().__dict__, "vocab_size": 50304})
+    base = MemorySetup("ddp", BF16, 8, micro_batch_size=4, seq_len=1024)
+    ddp = plan_memory(cfg, base)
+    fsdp = plan_memory(cfg, replace(base, strategy="fsdp"))
+    assert fsdp.model_state_bytes < ddp.model_state_bytes / 4
+    # Full checkpointing keeps only each block's input (the head's loss is not checkpointed).
+    full = replace(base, activation_checkpointing="full")
+    sel = replace(base, activation_checkpointing="selective")
+    per_layer = [layer_activation_bytes(cfg, s) for s in (base, sel, full)]
+    assert per_layer[0] > per_layer[1] > per_layer[2] == 4 * 4 * 1024 * cfg.d_model
+    offload = plan_memory(cfg, replace(base, strategy="fsdp", cpu_offload=True))
+    assert offload.model_state_bytes == 0 and offload.host_bytes == fsdp.model_state_bytes
+
+
+# --- a real run: the prediction logged, and exact against the measured bytes ----------------
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    train(run_dir, *STEPS)
+    return run_dir
+
+
+def _per_rank_plans(run_dir: Path, overrides: list[str], world: int) -> list:
+    from dtrain.cli.plan import resolve_vocab
+
+    cfg = compose(*FAST, *overrides, f"hydra.run.dir={run_dir}")
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
+    plans = []
+    for r in range(world):
+        setup = setup_from_config(cfg, PRECISIONS[cfg.precision.name], world, "cpu", rank=r)
+        plans.append(plan_memory(cfg.model, setup))
+    return plans
+
+
+def _assert_exact(run_dir: Path, overrides: list[str], world: int) -> None:
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    pred = next(r["memory_predicted"] for r in recs if "memory_predicted" in r)
+    measured = [r for r in recs if "memory_per_rank" in r][-1]["memory_per_rank"]
+    assert len(measured) == world
+    for r, plan in enumerate(_per_rank_plans(run_dir, overrides, world)):
+        got = {k: measured[r][k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}
+        want = {k: getattr(plan, k) for k in got}
+        assert got == want, (r, got, want)
+    for k in ("params_bytes", "grads_bytes", "optim_bytes"):  # the run logged rank 0's plan
+        assert pred[k] == measured[0][k]
+    errors = [r["memory_prediction_error_pct"] for r in recs if "memory_prediction_error_pct" in r]
+    assert errors and all(e == 0.0 for e in errors)
+
+
+def test_a_run_logs_its_prediction(single_run):
+    recs = read_jsonl(single_run / "metrics.jsonl")
+    first = recs[0]
+    assert first["run"]["strategy"] == "single" and first["run"]["model"] == "tiny"
+    pred = first["memory_predicted"]
+    for k in ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "total_bytes"):
+        assert isinstance(pred[k], int) and pred[k] > 0, k
+    assert pred["total_bytes"] == sum(pred["at_peak"].values())
+    assert all(r["memory_prediction_compares"] == "model_state" for r in recs if "loss" in r)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(single_run / "tensorboard"))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert "memory/predicted/total_bytes" in scalars
+    assert "memory/prediction_error_pct" in scalars
+    assert "memory/predicted/text_summary" in acc.Tags()["tensors"]
+    assert "custom_scalars__config__" in acc.Tags()["tensors"]
+
+
+def test_single_is_exact(single_run):
+    _assert_exact(single_run, STEPS, 1)
+
+
+def test_ddp_one_rank_is_exact(tmp_path):
+    train(tmp_path, *STEPS, "strategy=ddp")
+    _assert_exact(tmp_path, [*STEPS, "strategy=ddp"], 1)
+
+
+MULTI = [
+    pytest.param(["strategy=ddp"], id="ddp"),
+    pytest.param(["strategy=fsdp"], id="fsdp"),
+    pytest.param(["strategy=fsdp", "strategy.reshard_after_forward=false"], id="fsdp-noreshard"),
+    pytest.param(["strategy=zero1"], id="zero1"),
+    pytest.param(["strategy=zero2"], id="zero2"),
+    pytest.param(["strategy=zero3"], id="zero3"),
+]
+
+
+@pytest.mark.parametrize("extra", MULTI)
+def test_two_ranks_are_exact(tmp_path, extra):
+    name = extra[0].split("=")[1]
+    if not _registered(name):
+        pytest.skip(f"strategy {name} is not registered yet")
+    if name.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    res = launch(*FAST, *STEPS, *extra, f"hydra.run.dir={tmp_path}", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_exact(tmp_path, [*STEPS, *extra], 2)
+
+
+FSDP_WORKER = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from dtrain.strategies.base import optimizer_tensors, tensor_bytes
+    dist.init_process_group("gloo")
+    shapes = [(5, 7), (3, 5), (3,), (1, 6)]
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(7, 5, bias=False)  # (5, 7)
+            self.b = nn.Linear(5, 3)  # (3, 5) and (3,)
+            self.c = nn.Parameter(torch.randn(1, 6))
+        def forward(self, x):
+            return self.b(self.a(x)).sum() + self.c.sum()
+    m = M()
+    fully_shard(m.a); fully_shard(m.b); fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), foreach=True)
+    m(torch.randn(4, 7)).backward()
+    opt.step()
+    ps = list(m.parameters())
+    got = [tensor_bytes(ps), tensor_bytes(p.grad for p in ps),
+           tensor_bytes(optimizer_tensors(opt))]
+    out = [None, None]
+    dist.all_gather_object(out, got)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"shapes": shapes, "bytes": out}))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_fsdp2_layout_is_what_fully_shard_does(tmp_path):
+    """The planner's FSDP2 layout (padded dim-0 shards, unpadded optimizer states) against
+    fully_shard itself on uneven shapes: runs before the fsdp strategy exists."""
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    res = subprocess.run(
+        [*cmd, str(script)], capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
+    data = json.loads(line[len("RESULT ") :])
+    shapes = [tuple(s) for s in data["shapes"]]
+    for r in range(2):
+        plan = model_state_bytes(shapes, MemorySetup("fsdp", F32, 2, rank=r))[:3]
+        assert list(plan) == data["bytes"][r], (r, plan, data["bytes"][r])
+
+
+# --- the plan CLI --------------------------------------------------------------------------
+
+
+def _plan(*args: str) -> dict:
+    from dtrain.cli.plan import build_plan
+
+    return build_plan([*args, "format=json"])
+
+
+def test_plan_json_has_the_documented_keys():
+    p = _plan("model=1b", "strategy=ddp", "precision=bf16", "world_size=2", "gpu=h100-80gb")
+    for k in (
+        "params_bytes",
+        "grads_bytes",
+        "optim_bytes",
+        "activations_bytes",
+        "total_bytes",
+        "n_params",
+        "flops_per_token",
+        "chinchilla_tokens",
+    ):
+        assert k in p, k
+    assert p["chinchilla_tokens"] == 20 * p["n_params"]
+    assert p["fits"] == (p["total_bytes"] <= p["gpu_memory_bytes"])
+    assert p["chinchilla"]["gpu_hours"] > 0 and "rule of thumb" in p["summary"].lower()
+    # Unsharded AdamW under autocast: 16 bytes per parameter, plus a 4-byte step per tensor
+    # (1b: 24 blocks of 9 tensors, the tied embedding, the final norm).
+    state = p["params_bytes"] + p["grads_bytes"] + p["optim_bytes"]
+    assert state == 16 * p["n_params"] + 4 * (24 * 9 + 2)
+
+
+def test_plan_text_says_fits_and_the_budget(capsys):
+    from dtrain.cli.plan import main
+
+    assert main(["model=350m", "strategy=ddp", "world_size=2", "gpu=a100-40gb"]) == 0
+    out = capsys.readouterr().out
+    assert "largest micro-batch that fits" in out and "Chinchilla" in out and "GPU-hours" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["gpu=x100"], "unknown gpu 'x100'; valid choices: h200-141gb"),
+        (["world_size=abc"], "world_size must be a number"),
+        (["world_size=0"], "world_size must be >= 1"),
+        (["format=xml"], "format='xml'; valid choices: text, json"),
+        (["strategy=nope"], "unknown strategy 'nope'"),
+        (["strategy=single", "world_size=2"], "strategy=single runs one process"),
+        (["mfu=2"], "mfu must be in"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size must be > 0"),
+    ],
+)
+def test_plan_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    from dtrain.cli.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_plan_cli_runs_as_a_module():
+    res = subprocess.run(
+        [sys.executable, "-m", "dtrain.cli.plan", "gpu=nope"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: unknown gpu")
+
+
+# --- compare ---------------------------------------------------------------------------------
+
+
+def test_compare_prints_the_table_and_writes_the_chart(single_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from dtrain.cli.compare import main
+
+    png = tmp_path / "chart.png"
+    assert main([str(single_run), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(single_run.name))
+    assert " single " in row and " fp32 " in row and "+0.0%" in row
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_reads_event_files_without_metrics_jsonl(single_run, tmp_path, capsys):
+    import shutil
+
+    from dtrain.cli.compare import main, read_run
+
+    copy = tmp_path / "events_only"
+    shutil.copytree(single_run / "tensorboard", copy / "tensorboard")
+    a, b = read_run(single_run), read_run(copy)
+    assert b.measured_bytes == a.measured_bytes and b.predicted_bytes == a.predicted_bytes
+    assert b.final_loss == pytest.approx(a.final_loss, rel=1e-6)
+    assert main([str(copy), "--no-png", "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("| run | strategy |")
+
+
+def test_compare_refuses_a_dir_that_is_no_run(tmp_path, capsys):
+    from dtrain.cli.compare import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--no-png"])
+    assert e.value.code == 2 and "is not a run dir" in capsys.readouterr().err
+
+
+# --- sweeps and the GPU check, on CPU -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sweep_runs_a_grid_that_compare_takes(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "sweep.py"),
+            "--out",
+            str(tmp_path),
+            "strategy=single,ddp",
+            *FAST,
+            *STEPS,
+            "checkpoint.save_final=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    dirs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert dirs == ["ddp-fp32-w1-tiny", "single-fp32-w1-tiny"]
+    assert (tmp_path / "compare.png").exists()
+    assert "2 done, 0 failed" in res.stdout
+
+
+@pytest.mark.slow
+def test_memory_check_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "memory_check.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--strategies",
+            "single,ddp,nosuch",
+            "--nprocs",
+            "1",
+            "--all-pairs",
+            "--steps",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md = (tmp_path / "memory_check.md").read_text()
+    assert "| tiny | single | fp32 | 1 |" in md and "| tiny | ddp | fp32 | 1 |" in md
+    assert "not available" in md  # the unknown strategy is listed, not failed
+    rows = json.loads((tmp_path / "memory_check.json").read_text())
+    assert [r["error_pct"] for r in rows if r["status"] == "ok"] == [0.0, 0.0]
+    assert (tmp_path / "memory_check.png").exists()
