@@ -260,55 +260,77 @@ def _decay_groups(shapes: list[tuple[int, ...]]) -> list[int]:
 def layer_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     """Bytes one transformer block saves for backward, for one micro-batch.
 
-    Eager autocast (what the code in dtrain/model.py does, tensor by tensor), with
-    c = compute bytes, r = residual bytes (the parameter dtype: the embedding is not autocast),
-    sbh = micro_batch · seq · d_model, f = ffn_hidden:
-      two RMSNorms keep their input x (r·sbh each) and rstd (fp32, b·s each);
-      wq, wk, wv each keep their input: three separate casts to c under autocast, one shared
-      tensor without it; the same for w1, w3 (two casts, or one);
-      SDPA keeps q, k, v (k, v repeated to every head for GQA), its output and the fp32
-      log-sum-exp (b·heads·s); wo reads SDPA's output (a view, no copy);
-      SwiGLU keeps w1's and w3's outputs, silu's output and the product (four c·b·s·f).
+    Eager (what dtrain/model.py does, tensor by tensor; a test checks this count against
+    the tensors autograd really saves, on CPU), with c = compute bytes, sbh = micro_batch ·
+    seq · d_model, f = ffn_hidden:
+      each RMSNorm upcasts its input and keeps it in fp32 (4·sbh) with rstd (4·b·s); the
+      composite CPU kernel also keeps x·rstd (4·sbh), CUDA's fused kernel does not;
+      wq, wk, wv keep their inputs: under autocast each casts the norm's output separately
+      (3·c·sbh), in one dtype they share it (1·c·sbh); the same for w1, w3 (2 or 1);
+      SDPA keeps q, k, v (k, v repeated to every head under GQA), its output and the fp32
+      log-sum-exp (b·heads·s): no s x s scores, so Korthikanti's 5as/h term is gone; wo reads
+      SDPA's output through a view on CUDA (flash's output is laid out (B, T, H, D)), a copy
+      on CPU;
+      SwiGLU keeps w1's and w3's outputs, silu's output and the product: 4·c·b·s·f.
     Compiled (inductor's min-cut partitioner): casts are shared, pointwise ops are recomputed:
-      the norms keep x and the c-cast of their output; SDPA keeps q, out and un-repeated k, v;
-      SwiGLU keeps w1's and w3's outputs only.
+      the norms keep x, rstd and the c-cast of their output; SDPA keeps q, out and
+      un-repeated k, v; SwiGLU keeps w1's and w3's outputs only.
     """
     pr = setup.precision
-    c, r = _itemsize(pr.compute_dtype), _itemsize(pr.param_dtype)
+    c = _itemsize(pr.compute_dtype)
     mixed = pr.compute_dtype != pr.param_dtype
     b, s, h, f = setup.micro_batch_size, setup.seq_len, cfg.d_model, cfg.ffn_hidden
     bs, sbh = b * s, b * s * h
     kv = b * s * cfg.n_kv_head * cfg.head_dim
     lse = 4 * b * cfg.n_head * s
+    resid = _itemsize(pr.param_dtype) * sbh  # the residual stream: the embedding's dtype
     if setup.activation_checkpointing == "full":
-        return r * sbh  # only the block's input; the rest is recomputed in backward
+        return resid  # only the block's input; the rest is recomputed in backward
     if setup.activation_checkpointing == "selective":
         # torchtitan's op-level policy: keep matmul and attention outputs, recompute the rest.
         mm_out = c * (sbh + 2 * kv) + c * sbh + 2 * c * b * s * f + c * sbh  # q,k,v wo w1,w3 w2
-        return r * sbh + mm_out + c * sbh + lse  # + block input, SDPA out, lse
+        return resid + mm_out + c * sbh + lse  # + block input, SDPA out, lse
     if setup.compile:
-        norms = 2 * (r * sbh + (c * sbh if mixed else 0) + 4 * bs)
+        norms = 2 * (4 * sbh + 4 * bs + (c * sbh if mixed else 0))
         attn = c * sbh + 2 * c * kv + c * sbh + lse
         mlp = 2 * c * b * s * f
         return norms + attn + mlp
-    norms = 2 * (r * sbh + 4 * bs)
+    fused_norm = setup.device == "cuda"
+    norms = 2 * (4 * sbh + 4 * bs + (0 if fused_norm else 4 * sbh))
     linear_inputs = (3 + 2) * c * sbh if mixed else 2 * c * sbh
-    attn = 4 * c * sbh + lse
+    attn = 4 * c * sbh + lse + (0 if setup.device == "cuda" else c * sbh)
     mlp = 4 * c * b * s * f
     return norms + linear_inputs + attn + mlp
 
 
-def head_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
-    """Final norm + output layer + loss, saved for backward: the norm's input and rstd, the
-    output layer's (cast) input and the fp32 log-softmax over the vocabulary (or, compiled,
-    the logits in the compute dtype)."""
+def autocast_weight_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Autocast's cached casts of the weight matrices (c bytes each), kept for backward.
+
+    Only where autocast does the casting (single, DDP); FSDP all-gathers in the compute dtype
+    and DeepSpeed casts the module itself. Inductor recomputes the casts in backward."""
     pr = setup.precision
-    c, r = _itemsize(pr.compute_dtype), _itemsize(pr.param_dtype)
-    mixed = pr.compute_dtype != pr.param_dtype
+    if pr.compute_dtype == pr.param_dtype or setup.strategy not in ("single", "ddp"):
+        return 0
+    if setup.compile:
+        return 0
+    d, hd = cfg.d_model, cfg.head_dim
+    per_layer = 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + 3 * d * cfg.ffn_hidden
+    return _itemsize(pr.compute_dtype) * (cfg.n_layer * per_layer + cfg.vocab_size * d)
+
+
+def head_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Embedding + final norm + output layer + loss, saved for backward: the token ids and
+    targets (int64), the norm's fp32 input and rstd (and x·rstd off CUDA), the output layer's
+    input and the fp32 log-softmax over the vocabulary (compiled: the logits in c bytes)."""
+    c = _itemsize(setup.precision.compute_dtype)
     bs = setup.micro_batch_size * setup.seq_len
-    norm = r * bs * cfg.d_model + 4 * bs + (c * bs * cfg.d_model if mixed else 0)
-    loss = (c * bs * cfg.vocab_size + 4 * bs) if setup.compile else 4 * bs * cfg.vocab_size
-    return norm + loss
+    bsd = bs * cfg.d_model
+    ids = 2 * 8 * bs
+    norm = 4 * bsd + 4 * bs + (0 if setup.device == "cuda" or setup.compile else 4 * bsd)
+    out_in = c * bsd
+    # Eager: nll_loss also keeps its 0-d fp32 total weight.
+    loss = (c * bs * cfg.vocab_size + 4 * bs) if setup.compile else 4 * bs * cfg.vocab_size + 4
+    return ids + norm + out_in + loss
 
 
 def loss_transient_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
@@ -383,7 +405,7 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
 
     layers = cfg.n_layer * layer_activation_bytes(cfg, setup)
     head = head_activation_bytes(cfg, setup)
-    activations = layers + head
+    activations = layers + head + autocast_weight_bytes(cfg, setup)
     loss_tmp = loss_transient_bytes(cfg, setup)
 
     # Transients besides the loss, alive at the start of backward.

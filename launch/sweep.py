@@ -11,8 +11,8 @@ OUT/<strategy>-<precision>-w<N>-<model>[-<other axes>], its log OUT/<name>.log. 
 does not stop the sweep; the exit code is 1 if any failed. At the end `dtrain.cli.compare`
 prints the table and writes OUT/compare.png.
 
-(`python launch/train.py --multirun strategy=single,ddp ...` also works for points of one
-process each; a sweep over world sizes needs torchrun per point, hence this script.)
+(Hydra's --multirun is no substitute: conf/train.yaml's run_dir follows hydra.run.dir, not
+the job's sweep dir, and a sweep over world sizes needs torchrun per point.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import torch
 
 from dtrain.memory import (
     MemorySetup,
+    autocast_weight_bytes,
+    head_activation_bytes,
     largest_micro_batch,
     layer_activation_bytes,
     model_state_bytes,
@@ -22,7 +24,7 @@ from dtrain.memory import (
     plan_memory,
     setup_from_config,
 )
-from dtrain.model import GPT, ModelConfig
+from dtrain.model import GPT, ModelConfig, build_model
 from dtrain.precision import PRECISIONS
 from tests.conftest import FAST, ROOT, cli_env, compose, launch, read_jsonl, train
 
@@ -52,6 +54,36 @@ def test_param_shapes_are_the_models(kw):
     with torch.device("meta"):
         model = GPT(cfg)
     assert param_shapes(cfg) == [tuple(p.shape) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 2, "tie_embeddings": True}], ids=["mha", "gqa"])
+def test_activation_count_is_what_autograd_saves(precision, kw):
+    """Every tensor autograd keeps for backward (deduplicated by storage, parameters left
+    out) in one eager forward on CPU, against the planner's count."""
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, ffn_hidden=192, vocab_size=320, **kw)
+    model = build_model(cfg, "cpu")
+    b, s = 2, 64
+    x, y = torch.randint(0, 320, (b, s)), torch.randint(0, 320, (b, s))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope_cache.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model(x, y)
+    got = sum(v for k, v in saved.items() if k not in skip)
+    setup = MemorySetup("single", PRECISIONS[precision], 1, b, s, device="cpu")
+    want = (
+        cfg.n_layer * layer_activation_bytes(cfg, setup)
+        + head_activation_bytes(cfg, setup)
+        + autocast_weight_bytes(cfg, setup)
+    )
+    assert got == want
 
 
 def _cfg() -> ModelConfig:
