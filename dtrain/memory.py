@@ -257,6 +257,15 @@ def _decay_groups(shapes: list[tuple[int, ...]]) -> list[int]:
 # --- activations --------------------------------------------------------------------------
 
 
+def uses_autocast(setup: MemorySetup) -> bool:
+    """Mixed precision through autocast (single, DDP), which casts every matmul's inputs.
+
+    FSDP's MixedPrecisionPolicy and DeepSpeed instead hand the module parameters already in
+    the compute dtype, so activations are born in it and each one is kept once."""
+    pr = setup.precision
+    return pr.compute_dtype != pr.param_dtype and setup.strategy in ("single", "ddp")
+
+
 def layer_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     """Bytes one transformer block saves for backward, for one micro-batch.
 
@@ -278,12 +287,15 @@ def layer_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     """
     pr = setup.precision
     c = _itemsize(pr.compute_dtype)
-    mixed = pr.compute_dtype != pr.param_dtype
+    mixed = uses_autocast(setup)
     b, s, h, f = setup.micro_batch_size, setup.seq_len, cfg.d_model, cfg.ffn_hidden
     bs, sbh = b * s, b * s * h
     kv = b * s * cfg.n_kv_head * cfg.head_dim
     lse = 4 * b * cfg.n_head * s
-    resid = _itemsize(pr.param_dtype) * sbh  # the residual stream: the embedding's dtype
+    # The residual stream has the embedding's dtype: the stored one under autocast (which
+    # leaves embeddings alone), the compute dtype where the module computes in it natively.
+    native = setup.strategy not in ("single", "ddp")
+    resid = (c if native else _itemsize(pr.param_dtype)) * sbh
     if setup.activation_checkpointing == "full":
         return resid  # only the block's input; the rest is recomputed in backward
     if setup.activation_checkpointing == "selective":
@@ -291,7 +303,7 @@ def layer_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
         mm_out = c * (sbh + 2 * kv) + c * sbh + 2 * c * b * s * f + c * sbh  # q,k,v wo w1,w3 w2
         return resid + mm_out + c * sbh + lse  # + block input, SDPA out, lse
     if setup.compile:
-        norms = 2 * (4 * sbh + 4 * bs + (c * sbh if mixed else 0))
+        norms = 2 * (4 * sbh + 4 * bs + c * sbh)  # x, rstd and the matmuls' input
         attn = c * sbh + 2 * c * kv + c * sbh + lse
         mlp = 2 * c * b * s * f
         return norms + attn + mlp
@@ -309,9 +321,7 @@ def autocast_weight_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     Only where autocast does the casting (single, DDP); FSDP all-gathers in the compute dtype
     and DeepSpeed casts the module itself. Inductor recomputes the casts in backward."""
     pr = setup.precision
-    if pr.compute_dtype == pr.param_dtype or setup.strategy not in ("single", "ddp"):
-        return 0
-    if setup.compile:
+    if not uses_autocast(setup) or setup.compile:
         return 0
     d, hd = cfg.d_model, cfg.head_dim
     per_layer = 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + 3 * d * cfg.ffn_hidden
