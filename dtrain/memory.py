@@ -594,8 +594,11 @@ def setup_from_config(
     ckpt = getattr(st, "activation_checkpointing", "none")
     if isinstance(ckpt, bool):
         ckpt = "full" if ckpt else "none"
+    name = st.name
+    if name == "deepspeed":  # strategy=deepspeed strategy.stage=N is zeroN
+        name = f"zero{getattr(st, 'stage', 2)}"
     return MemorySetup(
-        strategy=st.name,
+        strategy=name,
         precision=precision,
         world_size=world_size,
         micro_batch_size=t.micro_batch_size,

@@ -216,7 +216,11 @@ def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, st
     """Predicted memory per GPU, logged at the start (memory/predicted/*, a text summary, a
     custom-scalars layout, `memory_predicted` in metrics.jsonl). Returns the plan."""
     compile_enabled = bool(getattr(strategy, "compile_enabled", False))
-    plan, setup = run_prediction(cfg, precision, env, compile_enabled)
+    try:
+        plan, setup = run_prediction(cfg, precision, env, compile_enabled)
+    except ConfigError as e:  # a strategy the planner does not know yet: train anyway
+        log.warning("memory: no prediction for this run: %s", e)
+        return None
     text = summary_text(plan, setup, cfg.model)
     log.info("memory: %s", text)
     if step == 0:
@@ -418,7 +422,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
                     **memory_scalars(mem),
                 },
             )
-            if step >= 2:  # after warm-up: optimizer states exist, the peak is steady
+            # After warm-up: optimizer states exist, the peak is steady.
+            if step >= 2 and mem_plan is not None:
                 err, what = prediction_error_pct(mem_plan, mem)
                 info["memory_prediction_error_pct"], info["memory_prediction_compares"] = err, what
                 writer.scalars(step, {"memory/prediction_error_pct": err})
