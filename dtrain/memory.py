@@ -97,7 +97,7 @@ class MemorySetup:
     cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
     offload_optimizer: bool = False  # zero*: optimizer states (and fp32 master) on the host
     offload_params: bool = False  # zero3: parameters on the host
-    ds_bucket_elements: int = 500_000_000  # DeepSpeed's reduce/allgather bucket defaults
+    ds_bucket_elements: int = 25 * 2**20 // 4  # DeepSpeed's reduce/allgather buckets
     device: str = "cuda"  # cpu: no context, no allocator slack
     rank: int = 0  # model state is planned for this rank (FSDP's last ranks may hold less)
 
@@ -108,7 +108,7 @@ class MemoryPlan:
 
     params_bytes: int
     grads_bytes: int
-    optim_bytes: int
+    optim_bytes: int  # the optimizer's states (AdamW's moments and step counters)
     activations_bytes: int
     transient_bytes: int
     overhead_bytes: int  # allocator slack (inside reserved) + CUDA context (outside it)
@@ -116,13 +116,14 @@ class MemoryPlan:
     peak_bytes: int  # predicted torch peak reserved (= total_bytes - context_bytes)
     at_peak: dict[str, int]  # what is alive at the peak, by part; sums to total_bytes
     host_bytes: int = 0  # offloaded model state (CPU memory per rank)
+    master_bytes: int = 0  # a master copy of the weights apart from the params (DeepSpeed)
     phase: str = "backward"  # which moment is the peak: backward | step
     n_params: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def model_state_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optim_bytes
+        return self.params_bytes + self.grads_bytes + self.optim_bytes + self.master_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -178,8 +179,9 @@ class StateBytesPerElement:
 
     param: int  # the parameter tensor the model computes with or shards
     grad: int
-    optim: int  # AdamW's two moments, plus an fp32 master copy where the params are narrower
-    step: int = 4  # the 0-d fp32 `step` tensor, per parameter tensor
+    optim: int  # the optimizer's states: AdamW's two moments
+    master: int = 0  # a master copy of the weights kept apart from the parameters
+    step: int = 4  # the 0-d fp32 `step` tensor, per parameter tensor (or flat group)
 
 
 def state_bytes_per_element(precision, deepspeed: bool = False) -> StateBytesPerElement:
@@ -187,17 +189,29 @@ def state_bytes_per_element(precision, deepspeed: bool = False) -> StateBytesPer
     differing from `param_dtype` means an optimizer that keeps its own copies: a master copy
     (`master_dtype`, when the Precision has one) and moments in `optim_dtype`.
 
-    DeepSpeed under a 16-bit compute dtype casts the module itself to that dtype and keeps an
-    fp32 master partition plus fp32 moments in its optimizer: ZeRO's 2 + 2 + 12 bytes.
+    DeepSpeed's ZeRO optimizers always keep an fp32 master partition apart from the module's
+    parameters (even in fp32), plus the moments; under a 16-bit compute dtype the module itself
+    is cast to it: ZeRO's 2 + 2 + 12 bytes.
     """
     p = _itemsize(precision.param_dtype)
     o = _itemsize(precision.optim_dtype)
-    if deepspeed and precision.compute_dtype != precision.param_dtype:
-        c = _itemsize(precision.compute_dtype)
-        return StateBytesPerElement(param=c, grad=c, optim=p + 2 * o)
+    if deepspeed:
+        w = _itemsize(precision.compute_dtype) if precision.mixed else p
+        return StateBytesPerElement(param=w, grad=w, optim=2 * o, master=4)
     master = getattr(precision, "master_dtype", None)
     extra = _itemsize(master) if master is not None and master != precision.param_dtype else 0
-    return StateBytesPerElement(param=p, grad=p, optim=2 * o + extra)
+    return StateBytesPerElement(param=p, grad=p, optim=2 * o, master=extra)
+
+
+@dataclass
+class ModelState:
+    """Bytes of model state one rank holds."""
+
+    params: int
+    grads: int
+    optim: int
+    master: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 def _fsdp_rows(dim0: int, shard: int, shard_rank: int) -> tuple[int, int]:
@@ -208,18 +222,18 @@ def _fsdp_rows(dim0: int, shard: int, shard_rank: int) -> tuple[int, int]:
     return chunk, real
 
 
-def model_state_bytes(
-    shapes: list[tuple[int, ...]], setup: MemorySetup
-) -> tuple[int, int, int, list[str]]:
-    """(params, grads, optim) bytes held by `setup.rank`, laid out as the strategy lays them."""
+def model_state_bytes(shapes: list[tuple[int, ...]], setup: MemorySetup) -> ModelState:
+    """Params, grads, optimizer states and master copy held by `setup.rank`, laid out as the
+    strategy lays them out."""
     s, n, notes = setup.strategy, setup.world_size, []
-    ds = s.startswith("zero")
-    b = state_bytes_per_element(setup.precision, deepspeed=ds)
+    b = state_bytes_per_element(setup.precision, deepspeed=s.startswith("zero"))
     total = sum(_numel(sh) for sh in shapes)
     steps = len(shapes) * b.step
     if s in ("single", "ddp"):
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one copy.
-        return total * b.param, total * b.grad, total * b.optim + steps, notes
+        return ModelState(
+            total * b.param, total * b.grad, total * b.optim + steps, total * b.master, notes
+        )
     if s == "fsdp":
         shard = n // max(1, setup.replicate_degree)
         r = setup.rank % shard
@@ -233,16 +247,22 @@ def model_state_bytes(
             notes.append(f"FSDP pads dim 0 of each tensor to a multiple of {shard}")
         # Params and the reduce-scattered grads keep the padded chunk; AdamW's states are
         # zeros_like the unpadded local view.
-        return padded * b.param, padded * b.grad, real * b.optim + steps, notes
+        return ModelState(
+            padded * b.param, padded * b.grad, real * b.optim + steps, real * b.master, notes
+        )
+    groups = _decay_groups(shapes)  # DeepSpeed flattens each of AdamW's param groups
+    ds_steps = len([g for g in groups if g]) * b.step
     if s in ("zero1", "zero2"):
-        # DeepSpeed flattens each param group and pads it to a multiple of 2·N elements
-        # (nccl_start_alignment_factor = 2) before cutting N equal partitions.
-        part = sum(-(-g // (2 * n)) * 2 for g in _decay_groups(shapes))
+        # Each flat group is padded to a multiple of 2·N elements (nccl_start_alignment_factor
+        # = 2) before being cut into N equal partitions.
+        part = sum(-(-g // (2 * n)) * 2 for g in groups)
         grads = total * b.grad if s == "zero1" else part * b.grad
-        return total * b.param, grads, part * b.optim + 2 * b.step, notes
+        return ModelState(total * b.param, grads, part * b.optim + ds_steps, part * b.master, notes)
     if s == "zero3":
         part = sum(-(-_numel(sh) // n) for sh in shapes)  # each tensor partitioned, padded
-        return part * b.param, part * b.grad, part * b.optim + 2 * b.step, notes
+        return ModelState(
+            part * b.param, part * b.grad, part * b.optim + ds_steps, part * b.master, notes
+        )
     raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGY_NAMES)}")
 
 
@@ -395,7 +415,9 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     check_setup(cfg, setup)
     shapes = param_shapes(cfg)
     n_params = sum(_numel(sh) for sh in shapes)
-    params, grads, optim, notes = model_state_bytes(shapes, setup)
+    state = model_state_bytes(shapes, setup)
+    params, grads, notes, master = state.params, state.grads, state.notes, state.master
+    optim = state.optim + master  # planned together: both live with the optimizer
     pr, s = setup.precision, setup.strategy
     c = _itemsize(pr.compute_dtype)
 
@@ -482,7 +504,8 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     return MemoryPlan(
         params_bytes=params,
         grads_bytes=grads,
-        optim_bytes=optim,
+        optim_bytes=optim - (master if optim else 0),
+        master_bytes=master if optim else 0,
         activations_bytes=activations,
         transient_bytes=transient,
         overhead_bytes=slack + context,
@@ -610,6 +633,8 @@ def setup_from_config(
         cpu_offload=bool(getattr(st, "cpu_offload", False)),
         offload_optimizer=bool(getattr(st, "offload_optimizer", False)),
         offload_params=bool(getattr(st, "offload_params", False)),
+        # dtrain's DeepSpeed config sizes its buckets from bucket_cap_mb (elements of 4 bytes).
+        ds_bucket_elements=int(getattr(st, "bucket_cap_mb", 25)) * 2**20 // 4,
         device=device,
         rank=rank,
     )
@@ -705,6 +730,7 @@ def predicted_record(plan: MemoryPlan) -> dict:
         "context_bytes",
         "peak_bytes",
         "host_bytes",
+        "master_bytes",
     )
     out = {k: getattr(plan, k) for k in keys}
     out["total_bytes"] = plan.total_bytes
@@ -735,7 +761,7 @@ def prediction_error_pct(plan: MemoryPlan, memory_per_rank: list[dict]) -> tuple
         predicted, what = plan.peak_bytes, "peak_reserved"
     else:
         measured = max(
-            m.get("params_bytes", 0) + m.get("grads_bytes", 0) + m.get("optim_bytes", 0)
+            sum(m.get(k, 0) for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes"))
             for m in memory_per_rank
         )
         predicted, what = plan.model_state_bytes, "model_state"

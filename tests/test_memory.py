@@ -99,30 +99,36 @@ def test_model_state_follows_the_zero_paper_table(precision):
     pr = PRECISIONS[precision]
 
     def state(strategy, world):
-        return model_state_bytes(shapes, MemorySetup(strategy, pr, world))[:3]
+        st = model_state_bytes(shapes, MemorySetup(strategy, pr, world))
+        return st.params, st.grads, st.optim + st.master
 
     # torch AdamW under autocast: fp32 params, fp32 grads, two fp32 moments (+ step scalars).
     assert state("ddp", n) == state("single", 1) == (4 * psi, 4 * psi, 8 * psi + steps)
     assert state("fsdp", n) == (4 * psi // n, 4 * psi // n, 8 * psi // n + steps)
-    # DeepSpeed: with 16-bit compute the module is cast (2 bytes) and an fp32 master joins
-    # the moments (K = 12); in fp32 there is no master (K = 8).
-    p, k = (2, 12) if precision == "bf16" else (4, 8)
+    # DeepSpeed: with 16-bit compute the module is cast (2 bytes); an fp32 master partition
+    # joins the moments in every precision (K = 12).
+    p, k = (2, 12) if precision == "bf16" else (4, 12)
     ds_steps = 2 * 4  # one step tensor per flat param group
     assert state("zero1", n) == (p * psi, p * psi, k * psi // n + ds_steps)
     assert state("zero2", n) == (p * psi, p * psi // n, k * psi // n + ds_steps)
     assert state("zero3", n) == (p * psi // n, p * psi // n, k * psi // n + ds_steps)
 
 
+def _state3(shapes, setup) -> tuple[int, int, int]:
+    st = model_state_bytes(shapes, setup)
+    return st.params, st.grads, st.optim
+
+
 def test_fsdp_pads_dim0_and_the_last_rank_holds_less():
     shapes = [(5, 7), (3,), (1, 4)]
-    s0, s1 = (model_state_bytes(shapes, MemorySetup("fsdp", F32, 2, rank=r))[:3] for r in (0, 1))
+    s0, s1 = (_state3(shapes, MemorySetup("fsdp", F32, 2, rank=r)) for r in (0, 1))
     padded = 3 * 7 + 2 + 1 * 4  # ceil(dim0 / 2) rows of each tensor, on every rank
     assert s0[:2] == s1[:2] == (4 * padded, 4 * padded)
     assert s0[2] == 8 * (3 * 7 + 2 + 4) + 12  # real rows only in AdamW's states
     assert s1[2] == 8 * (2 * 7 + 1 + 0) + 12
     # HSDP 2 x 2: shards within groups of 2, so the same as 2 ranks.
     hsdp = MemorySetup("fsdp", F32, 4, replicate_degree=2, rank=3)
-    assert model_state_bytes(shapes, hsdp)[:3] == s1
+    assert _state3(shapes, hsdp) == s1
 
 
 def test_more_micro_batch_more_memory_and_the_largest_that_fits():
@@ -180,8 +186,9 @@ def _assert_exact(run_dir: Path, overrides: list[str], world: int) -> None:
     measured = [r for r in recs if "memory_per_rank" in r][-1]["memory_per_rank"]
     assert len(measured) == world
     for r, plan in enumerate(_per_rank_plans(run_dir, overrides, world)):
-        got = {k: measured[r][k] for k in ("params_bytes", "grads_bytes", "optim_bytes")}
-        want = {k: getattr(plan, k) for k in got}
+        keys = ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes")
+        got = {k: measured[r].get(k, 0) for k in keys}
+        want = {k: getattr(plan, k) for k in keys}
         assert got == want, (r, got, want)
     for k in ("params_bytes", "grads_bytes", "optim_bytes"):  # the run logged rank 0's plan
         assert pred[k] == measured[0][k]
@@ -288,7 +295,7 @@ def test_fsdp2_layout_is_what_fully_shard_does(tmp_path):
     data = json.loads(line[len("RESULT ") :])
     shapes = [tuple(s) for s in data["shapes"]]
     for r in range(2):
-        plan = model_state_bytes(shapes, MemorySetup("fsdp", F32, 2, rank=r))[:3]
+        plan = _state3(shapes, MemorySetup("fsdp", F32, 2, rank=r))
         assert list(plan) == data["bytes"][r], (r, plan, data["bytes"][r])
 
 

@@ -82,7 +82,7 @@ def _apply_memory(s: RunSummary, pred: dict | None, mem_per_rank_records: list[l
     elif ranks:
         s.measured_kind = "model_state"
         s.measured_bytes = max(
-            m.get("params_bytes", 0) + m.get("grads_bytes", 0) + m.get("optim_bytes", 0)
+            sum(m.get(k, 0) for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes"))
             for m in ranks
         )
         if pred:
@@ -90,7 +90,7 @@ def _apply_memory(s: RunSummary, pred: dict | None, mem_per_rank_records: list[l
             s.predicted_parts = {
                 "params": pred.get("params_bytes", 0),
                 "grads": pred.get("grads_bytes", 0),
-                "optim": pred.get("optim_bytes", 0),
+                "optim": pred.get("optim_bytes", 0) + pred.get("master_bytes", 0),
             }
 
 
