@@ -254,16 +254,36 @@ def model_state_bytes(shapes: list[tuple[int, ...]], setup: MemorySetup) -> Mode
     ds_steps = len([g for g in groups if g]) * b.step
     if s in ("zero1", "zero2"):
         # Each flat group is padded to a multiple of 2·N elements (nccl_start_alignment_factor
-        # = 2) before being cut into N equal partitions.
-        part = sum(-(-g // (2 * n)) * 2 for g in groups)
-        grads = total * b.grad if s == "zero1" else part * b.grad
-        return ModelState(total * b.param, grads, part * b.optim + ds_steps, part * b.master, notes)
+        # = 2) before being cut into N equal partitions. Reduced gradients land in a buffer
+        # holding every parameter that overlaps this rank's partition, whole (both stages:
+        # DeepSpeed's stage 1 also keeps only its partition's gradients after backward).
+        part = grads = 0
+        r = setup.rank % n
+        for sizes in _decay_group_sizes(shapes):
+            p_size = -(-sum(sizes) // (2 * n)) * 2
+            part += p_size
+            lo, hi, offset = r * p_size, (r + 1) * p_size, 0
+            for k in sizes:
+                if offset < hi and offset + k > lo:
+                    grads += k
+                offset += k
+        return ModelState(
+            total * b.param, grads * b.grad, part * b.optim + ds_steps, part * b.master, notes
+        )
     if s == "zero3":
         part = sum(-(-_numel(sh) // n) for sh in shapes)  # each tensor partitioned, padded
         return ModelState(
             part * b.param, part * b.grad, part * b.optim + ds_steps, part * b.master, notes
         )
     raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGY_NAMES)}")
+
+
+def _decay_group_sizes(shapes: list[tuple[int, ...]]) -> list[list[int]]:
+    """Tensor sizes in AdamW's two parameter groups, in order (see dtrain.optim)."""
+    return [
+        [_numel(s) for s in shapes if len(s) >= 2],
+        [_numel(s) for s in shapes if len(s) < 2],
+    ]
 
 
 def _decay_groups(shapes: list[tuple[int, ...]]) -> list[int]:
@@ -476,6 +496,10 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
         grads_at_backward = 0
     backward_peak = params + optim + grads_at_backward + activations + transient
     step_peak = params + optim + grads + gathered
+    if s == "zero1":
+        # Stage 1 accumulates full gradients in p.grad through backward and copies its
+        # partition out at the end: at that moment the full gradients exist too.
+        step_peak += n_params * state_bytes_per_element(pr, deepspeed=True).grad
     phase = "backward" if backward_peak >= step_peak else "step"
 
     if setup.device == "cuda":

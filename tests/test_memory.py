@@ -4,6 +4,7 @@ table, the plan CLI, the prediction logged by every run, and compare over real r
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -109,8 +110,12 @@ def test_model_state_follows_the_zero_paper_table(precision):
     # joins the moments in every precision (K = 12).
     p, k = (2, 12) if precision == "bf16" else (4, 12)
     ds_steps = 2 * 4  # one step tensor per flat param group
-    assert state("zero1", n) == (p * psi, p * psi, k * psi // n + ds_steps)
-    assert state("zero2", n) == (p * psi, p * psi // n, k * psi // n + ds_steps)
+    # ZeRO-1 and -2 as DeepSpeed runs them: after backward each rank keeps the gradients of
+    # the parameters overlapping its partition, whole (a little over 1/N).
+    for stage in ("zero1", "zero2"):
+        params, grads, optim = state(stage, n)
+        assert (params, optim) == (p * psi, k * psi // n + ds_steps)
+        assert p * psi // n <= grads <= p * psi // n + 2 * p * max(map(math.prod, shapes))
     assert state("zero3", n) == (p * psi // n, p * psi // n, k * psi // n + ds_steps)
 
 
