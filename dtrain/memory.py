@@ -2,16 +2,18 @@
 
     plan = plan_memory(model_cfg, MemorySetup(strategy="fsdp", precision=PRECISIONS["bf16"],
                                               world_size=8, micro_batch_size=4, seq_len=2048))
-    plan.total_bytes, plan.breakdown()
+    plan.total_bytes, plan.at_peak
 
 What a rank holds, in five parts:
 
-* **Model state** (params, grads, optimizer states): exact. Every parameter tensor of the model is
-  enumerated on the meta device and laid out the way each strategy stores it: whole (single,
-  DDP), one padded dim-0 shard per tensor (FSDP2, ZeRO-3), or flat partitions (ZeRO-1/2). Bytes
+* **Model state** (params, grads, optimizer states, a separate master copy): exact. Every
+  parameter tensor of the model is listed from its config and laid out the way each strategy
+  stores it: whole (single, DDP), one padded shard per tensor (FSDP2, ZeRO-3), or flat
+  partitions (ZeRO-1/2). Bytes
   come from the Precision's dtypes, never from its name. AdamW keeps exp_avg and exp_avg_sq per
   parameter plus a 0-d fp32 `step` tensor per parameter tensor. This reproduces, to the byte, the
-  `params_bytes`/`grads_bytes`/`optim_bytes` that strategies measure (tests check it).
+  `params_bytes`/`grads_bytes`/`optim_bytes`/`master_bytes` that strategies measure (tests
+  check it).
   In Ψ units this is the ZeRO paper's table (Rajbhandari et al. 2019): DDP (2+2+K)Ψ, ZeRO-1
   (2+2)Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3/FSDP (2+2+K)Ψ/N, with our byte counts.
 * **Activations** saved for backward: Korthikanti et al. 2022 ("Reducing Activation Recomputation
@@ -28,7 +30,7 @@ What a rank holds, in five parts:
 
 Gradients do not always live at the same time as activations: with set_to_none, gradients are
 created during backward while activations are freed. `peak_bytes` takes the larger of the two
-phases (start of backward, optimizer step); `breakdown()` shows what is alive at that peak.
+phases (start of backward, optimizer step); `at_peak` shows what is alive at that peak.
 """
 
 from __future__ import annotations
@@ -495,11 +497,12 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     if s == "fsdp":
         grads_at_backward = 0
     backward_peak = params + optim + grads_at_backward + activations + transient
-    step_peak = params + optim + grads + gathered
+    step_transient = gathered
     if s == "zero1":
         # Stage 1 accumulates full gradients in p.grad through backward and copies its
         # partition out at the end: at that moment the full gradients exist too.
-        step_peak += n_params * state_bytes_per_element(pr, deepspeed=True).grad
+        step_transient += n_params * state_bytes_per_element(pr, deepspeed=True).grad
+    step_peak = params + optim + grads + step_transient
     phase = "backward" if backward_peak >= step_peak else "step"
 
     if setup.device == "cuda":
@@ -521,7 +524,7 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
             "grads": grads,
             "optim": optim,
             "activations": 0,
-            "transient": gathered,
+            "transient": step_transient,
         }
     at_peak["overhead"] = slack + context
     peak = sum(at_peak.values()) - context
