@@ -478,3 +478,14 @@ def test_memory_check_smoke(tmp_path):
     rows = json.loads((tmp_path / "memory_check.json").read_text())
     assert [r["error_pct"] for r in rows if r["status"] == "ok"] == [0.0, 0.0]
     assert (tmp_path / "memory_check.png").exists()
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("micro_batch", [1, 8])
+def test_what_is_alive_at_the_peak_adds_up(strategy, micro_batch):
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=256, vocab_size=50304)
+    world = 1 if strategy == "single" else 4
+    for precision in (F32, BF16):
+        plan = plan_memory(cfg, MemorySetup(strategy, precision, world, micro_batch, 512))
+        assert sum(plan.at_peak.values()) == plan.total_bytes
+        assert plan.total_bytes == plan.peak_bytes + plan.context_bytes
