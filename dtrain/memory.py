@@ -216,6 +216,18 @@ class ModelState:
     notes: list[str] = field(default_factory=list)
 
 
+def _moments_bytes(numel: int, b: StateBytesPerElement, precision) -> int:
+    """AdamW's two moments for one tensor of `numel` (local) elements.
+
+    With `optimizer_8bit` (torchao's AdamW8bit) a tensor of at least 4096 elements divisible by
+    the 256-element block keeps each moment as uint8 codes, an fp32 scale per block and a
+    256-entry fp32 lookup table; smaller tensors keep plain moments in the parameter dtype.
+    """
+    if getattr(precision, "optimizer_8bit", False) and numel >= 4096 and numel % 256 == 0:
+        return 2 * (numel + 4 * (numel // 256) + 4 * 256)
+    return numel * b.optim
+
+
 def _fsdp_rows(dim0: int, shard: int, shard_rank: int) -> tuple[int, int]:
     """(padded rows, real rows) of one rank's dim-0 shard: FSDP2 pads dim 0 to a multiple of
     the shard group; the storage holds the padded chunk, the optimizer state only real rows."""
@@ -233,24 +245,24 @@ def model_state_bytes(shapes: list[tuple[int, ...]], setup: MemorySetup) -> Mode
     steps = len(shapes) * b.step
     if s in ("single", "ddp"):
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one copy.
-        return ModelState(
-            total * b.param, total * b.grad, total * b.optim + steps, total * b.master, notes
-        )
+        moments = sum(_moments_bytes(_numel(sh), b, setup.precision) for sh in shapes)
+        return ModelState(total * b.param, total * b.grad, moments + steps, total * b.master, notes)
     if s == "fsdp":
         shard = n // max(1, setup.replicate_degree)
         r = setup.rank % shard
-        padded = real = 0
+        padded = real = moments = 0
         for sh in shapes:
             rest = _numel(sh[1:])
             chunk, rows = _fsdp_rows(sh[0], shard, r)
             padded += chunk * rest
             real += rows * rest
+            moments += _moments_bytes(rows * rest, b, setup.precision)
         if padded != real:
             notes.append(f"FSDP pads dim 0 of each tensor to a multiple of {shard}")
         # Params and the reduce-scattered grads keep the padded chunk; AdamW's states are
         # zeros_like the unpadded local view.
         return ModelState(
-            padded * b.param, padded * b.grad, real * b.optim + steps, real * b.master, notes
+            padded * b.param, padded * b.grad, moments + steps, real * b.master, notes
         )
     groups = _decay_groups(shapes)  # DeepSpeed flattens each of AdamW's param groups
     ds_steps = len([g for g in groups if g]) * b.step

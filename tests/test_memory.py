@@ -489,3 +489,25 @@ def test_what_is_alive_at_the_peak_adds_up(strategy, micro_batch):
         plan = plan_memory(cfg, MemorySetup(strategy, precision, world, micro_batch, 512))
         assert sum(plan.at_peak.values()) == plan.total_bytes
         assert plan.total_bytes == plan.peak_bytes + plan.context_bytes
+
+
+@pytest.mark.slow  # torchao compiles its 8-bit step: minutes on a busy CPU
+def test_8bit_adamw_moments_are_what_torchao_keeps():
+    """precision.optimizer_8bit: torchao's AdamW8bit quantizes the moments of tensors of at
+    least 4096 elements (uint8 codes, a scale per 256, a lookup table); the rest stay plain."""
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+
+    cfg = ModelConfig(n_layer=1, n_head=4, d_model=128, ffn_hidden=96, vocab_size=320)
+    model = build_model(cfg, "cpu")
+    opt = AdamW8bit(model.parameters())
+    model(torch.randint(0, 320, (2, 16)), torch.randint(0, 320, (2, 16))).backward()
+    opt.step()
+    measured = 0
+    for state in opt.state.values():
+        for v in state.values():
+            parts = [v.codes, v.scale, v.qmap] if hasattr(v, "codes") else [v]
+            measured += sum(t.numel() * t.element_size() for t in parts)
+    pr = replace(F32, optimizer_8bit=True)
+    planned = model_state_bytes(param_shapes(cfg), MemorySetup("single", pr, 1)).optim
+    assert planned == measured
