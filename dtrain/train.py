@@ -309,7 +309,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     loss_history: list[tuple[int, float]] = []
     loss_sum = torch.zeros((), device=env.device)
     steps_since_log = 0
-    data_wait, t_log = 0.0, time.perf_counter()  # host time blocked on the loader since the last log
+    # Host time blocked on the loader since the last log, for perf/data_wait_pct.
+    data_wait, t_log = 0.0, time.perf_counter()
     stopped_by_signal = False
     t_start = time.perf_counter()
 

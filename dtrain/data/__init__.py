@@ -85,8 +85,10 @@ def build_data(
     eval_spec = None
     if cfg.eval_split:
         if spec.kind != "hub":
-            raise ConfigError("data.eval_split is for hub datasets; local data holds out "
-                              "data.eval_fraction of its documents")
+            raise ConfigError(
+                "data.eval_split is for hub datasets; local data holds out "
+                "data.eval_fraction of its documents"
+            )
         eval_spec = SourceSpec("hub", spec.text_field, spec.path, spec.name, cfg.eval_split)
         check_source(eval_spec)
     holdout = 0.0 if eval_spec else cfg.eval_fraction

@@ -2,8 +2,8 @@
 
 They are present wherever Python is, need no download, and are real text with structure a small
 model visibly learns (indentation, keywords, names), so the default run works offline. Each file
-is cut into documents at its top-level statements and methods, so the corpus has enough documents to shard
-across streams and to hold some out for eval.
+is cut into documents at its top-level statements and methods: enough documents to shard across
+streams and to hold some out for eval.
 """
 
 from __future__ import annotations

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import glob as globlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import ConfigError, DataError
 
 SOURCES = ("embedded", "hub", "local", "synthetic")
-FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,6 @@ class SourceSpec:
     files: tuple[str, ...] = ()  # local: resolved file paths, sorted
     builder: str | None = None  # local: text | json | parquet
     max_bytes: int | None = None  # embedded: cap on the corpus size
-    extra: dict = field(default_factory=dict, compare=False)
 
     def key(self) -> str:
         """What identifies the data (for caches such as a trained tokenizer)."""
@@ -132,15 +137,33 @@ def _embedded_gen(paths: list[str]):
     yield from ({"text": t} for t in documents_of(paths))
 
 
+_OPENED: dict = {}  # SourceSpec -> IterableDataset; forked DataLoader workers inherit it
+
+
 def open_records(spec: SourceSpec):
-    """The source as a `datasets.IterableDataset` of records (streaming, no remote code)."""
+    """The source as a `datasets.IterableDataset` of records (streaming, no remote code).
+
+    Opening resolves files and builder modules (about a second); each process does it once
+    per source, and every epoch and stream starts a fresh iteration of the same object."""
+    if spec not in _OPENED:
+        _OPENED[spec] = _open(spec)
+    return _OPENED[spec]
+
+
+def _open(spec: SourceSpec):
     import datasets
 
     datasets.disable_progress_bars()
     if spec.kind == "hub":
         return datasets.load_dataset(spec.path, spec.name, split=spec.split, streaming=True)
     if spec.kind == "local":
-        kwargs = {"encoding_errors": "replace"} if spec.builder == "text" else {}
+        # Text files: one document per paragraph (blank-line separated); bad bytes -> U+FFFD,
+        # which `classify` counts and skips.
+        kwargs = (
+            {"encoding_errors": "replace", "sample_by": "paragraph"}
+            if spec.builder == "text"
+            else {}
+        )
         return datasets.load_dataset(
             spec.builder, data_files=list(spec.files), split="train", streaming=True, **kwargs
         )

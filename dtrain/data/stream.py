@@ -67,9 +67,7 @@ def classify(text) -> str | None:
 def _records(spec: StreamSpec, stream: int):
     from datasets.distributed import split_dataset_by_node
 
-    return split_dataset_by_node(
-        open_records(spec.source), rank=stream, world_size=spec.n_streams
-    )
+    return split_dataset_by_node(open_records(spec.source), rank=stream, world_size=spec.n_streams)
 
 
 def stream_blocks(spec: StreamSpec, stream: int, state: dict) -> Iterator[tuple[list, dict, dict]]:

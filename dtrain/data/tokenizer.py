@@ -113,7 +113,11 @@ def default_cache_dir() -> Path:
 def bpe_cache_path(cache_dir: Path, data_key: str, vocab_size: int, train_bytes: int) -> Path:
     """Keyed by the data, the vocab and the training budget: same inputs, same file."""
     key = f"{BPE_VERSION}|{data_key}|{vocab_size}|{train_bytes}"
-    return cache_dir / "tokenizers" / f"bpe-{vocab_size}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return (
+        cache_dir
+        / "tokenizers"
+        / f"bpe-{vocab_size}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
@@ -158,8 +162,11 @@ def build_tokenizer(
         )
     path = bpe_cache_path(cache_dir, data_key, vocab_size, train_bytes)
     if is_main and not path.is_file():
-        log.info("training a BPE tokenizer (vocab %d) on up to %d bytes of the training data",
-                 vocab_size, train_bytes)
+        log.info(
+            "training a BPE tokenizer (vocab %d) on up to %d bytes of the training data",
+            vocab_size,
+            train_bytes,
+        )
         tok = train_bpe(train_texts(), vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
