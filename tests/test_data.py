@@ -358,3 +358,12 @@ def test_cli_bad_data_is_one_line_and_exit_2(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith("error: data.files glob") and "Traceback" not in res.stderr
+
+
+def test_throughput_benchmark_smoke(tmp_path):
+    from bench.data_throughput import main
+
+    out = main(["--smoke", "--out", str(tmp_path)])
+    assert [r["tokenizer"] for r in out["results"]] == ["byte", "bpe"]
+    assert all(r["w1_tokens_per_s"] > 0 for r in out["results"])
+    assert (tmp_path / "results.md").read_text().count("| byte |") == 1
