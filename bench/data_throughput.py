@@ -47,20 +47,21 @@ def _bundle(args, tokenizer: str, cache: Path):
     return build_data(cfg, seq_len=args.seq_len, seed=0, device=torch.device("cpu"))
 
 
-def one_stream(bundle, n_blocks: int) -> float:
-    """Tokens/s of one stream read, tokenized and packed in this process."""
+def one_stream(bundle, seconds: float) -> float:
+    """Tokens/s of one stream read, tokenized and packed in this process (one worker's job)."""
     from dtrain.data.stream import start_state, stream_blocks
 
     gen = stream_blocks(bundle.train.spec, 0, start_state())
-    next(gen)  # open the source before timing
-    t0 = time.perf_counter()
-    for _ in range(n_blocks):
+    next(gen)  # open the source and fill the first window before timing
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
         next(gen)
-    return n_blocks * bundle.train.spec.seq_len / (time.perf_counter() - t0)
+        n += 1
+    return n * bundle.train.spec.seq_len / (time.perf_counter() - t0)
 
 
-def rank_stream(bundle, workers: int, micro: int, steps: int) -> float:
-    """Tokens/s of one rank's BatchStream with `workers` DataLoader workers."""
+def rank_stream(bundle, workers: int, micro: int, seconds: float) -> float:
+    """Tokens/s of one rank's BatchStream with `workers` DataLoader workers, end to end."""
     import torch
 
     from dtrain.data import BatchStream
@@ -76,10 +77,11 @@ def rank_stream(bundle, workers: int, micro: int, steps: int) -> float:
         device=torch.device("cpu"),
     )
     bs.next_step()  # start the workers before timing
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
         bs.next_step()
-    return steps * micro * bundle.train.spec.seq_len / (time.perf_counter() - t0)
+        n += 1
+    return n * micro * bundle.train.spec.seq_len / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokenizer", action="append", default=[], help="extra tokenizer.json/name")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seconds", type=float, default=30.0, help="time per measurement")
     p.add_argument("--workers", default="1,2", help="worker counts to try, comma-separated")
     p.add_argument("--num-streams", type=int, default=8)
     p.add_argument("--bpe-vocab", type=int, default=8192)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a seconds-long check")
     args = p.parse_args(argv)
     if args.smoke:
-        args.seq_len, args.micro, args.steps, args.workers = 64, 2, 3, "1"
+        args.seq_len, args.micro, args.seconds, args.workers = 64, 2, 0.5, "1"
         args.bpe_vocab, args.bpe_train_bytes, args.max_bytes = 300, 200_000, 200_000
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(args.out)
@@ -110,20 +112,20 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for tok in ["byte", "bpe", *args.tokenizer]:
         bundle = _bundle(args, tok, out / "cache")
-        n_blocks = max(4, args.steps * args.micro // 4)
         row = {
             "tokenizer": tok,
             "vocab": bundle.tokenizer.vocab_size,
-            "one_stream_tokens_per_s": one_stream(bundle, n_blocks),
+            "one_stream_tokens_per_s": one_stream(bundle, args.seconds),
         }
         for w in workers:
-            total = rank_stream(bundle, w, args.micro, args.steps)
+            total = rank_stream(bundle, w, args.micro, args.seconds)
             row[f"w{w}_tokens_per_s"] = total
             row[f"w{w}_tokens_per_s_per_worker"] = total / w
         results.append(row)
         print(json.dumps(row), flush=True)
     meta = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": "python "
+        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
@@ -143,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
         "|---|---|---|" + "---|" * len(workers),
     ]
     for r in results:
-        cells = [f"{r[f'w{w}_tokens_per_s']:,.0f} ({r[f'w{w}_tokens_per_s_per_worker']:,.0f})"
-                 for w in workers]
+        cells = [
+            f"{r[f'w{w}_tokens_per_s']:,.0f} ({r[f'w{w}_tokens_per_s_per_worker']:,.0f})"
+            for w in workers
+        ]
         lines.append(
             f"| {r['tokenizer']} | {r['vocab']} | {r['one_stream_tokens_per_s']:,.0f} | "
             + " | ".join(cells)

@@ -21,11 +21,12 @@ from dtrain.model import ModelConfig
 
 @dataclass
 class DataConfig:
+    name: str = "embedded"  # the conf/data choice
     source: str = "embedded"  # embedded | hub | local | synthetic
-    # hub: the dataset (path), its config/subset (name) and split; eval_split: a held-out split
-    # (null: hold out eval_fraction of the documents instead).
+    # hub: the dataset (path), its config (subset: load_dataset's `name`) and split; eval_split:
+    # a held-out split (null: hold out eval_fraction of the documents instead).
     path: str | None = None
-    name: str | None = None
+    subset: str | None = None
     split: str = "train"
     eval_split: str | None = None
     text_field: str = "text"  # the records' field holding the document

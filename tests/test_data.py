@@ -367,3 +367,28 @@ def test_throughput_benchmark_smoke(tmp_path):
     assert [r["tokenizer"] for r in out["results"]] == ["byte", "bpe"]
     assert all(r["w1_tokens_per_s"] > 0 for r in out["results"])
     assert (tmp_path / "results.md").read_text().count("| byte |") == 1
+
+
+def test_hub_code_path_on_a_local_folder_with_splits(tmp_path):
+    # load_dataset(path, streaming=True) reads a local folder the way it streams a hub repo;
+    # the eval split is another split, and nothing is held out of training.
+    for split, n in (("train", 200), ("validation", 20)):
+        rows = [json.dumps({"story": f"{split} story {i} " * 8}) for i in range(n)]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(
+        source="hub", path=str(tmp_path), split="train", eval_split="validation", text_field="story"
+    )
+    bundle = build_data(cfg, seq_len=16, seed=0, device=torch.device("cpu"))
+    assert bundle.train.spec.holdout == 0.0
+    (b,) = streams(bundle, 1, workers=1)
+    x = torch.cat([x for x, _ in b.next_step()])
+    assert "train story" in bundle.tokenizer.decode(x.flatten().tolist())
+    ev = bundle.tokenizer.decode(bundle.eval.get(2).flatten().tolist())
+    assert "validation story" in ev and "train story" not in ev
+    with pytest.raises(DataError, match="no field 'text' .*their fields: story"):
+        build_data(
+            DataConfig(source="hub", path=str(tmp_path)),
+            seq_len=16,
+            seed=0,
+            device=torch.device("cpu"),
+        )

@@ -43,6 +43,15 @@ def embedded_shards(max_bytes: int | None = None) -> list[str]:
     return out
 
 
+def shard_groups(paths: list[str]) -> list[list[str]]:
+    """Files dealt into 8/16/32/64 shards when there are enough of them (at least 4 per shard):
+    split_dataset_by_node then hands each stream whole shards instead of every n-th record."""
+    for n in (64, 32, 16, 8):
+        if len(paths) >= 4 * n:
+            return [paths[i::n] for i in range(n)]
+    return [[p] for p in paths]
+
+
 def documents_of(paths: list[str]) -> Iterator[str]:
     """Documents of the given files: one per top-level statement or method."""
     for path in paths:

@@ -116,7 +116,7 @@ def build_source_spec(cfg) -> SourceSpec:
         if not cfg.path:
             raise ConfigError("data=hub needs data.path=<hub dataset>, e.g. roneneldan/TinyStories")
         return SourceSpec(
-            "hub", text_field=cfg.text_field, path=cfg.path, name=cfg.name, split=cfg.split
+            "hub", text_field=cfg.text_field, path=cfg.path, name=cfg.subset, split=cfg.split
         )
     if cfg.source == "local":
         files = resolve_files(cfg.files)
@@ -131,10 +131,11 @@ def build_source_spec(cfg) -> SourceSpec:
     raise ConfigError(f"unknown data.source '{cfg.source}'; valid choices: {', '.join(SOURCES)}")
 
 
-def _embedded_gen(paths: list[str]):
+def _embedded_gen(shards: list[list[str]]):
     from dtrain.data.embedded import documents_of
 
-    yield from ({"text": t} for t in documents_of(paths))
+    for paths in shards:
+        yield from ({"text": t} for t in documents_of(paths))
 
 
 _OPENED: dict = {}  # SourceSpec -> IterableDataset; forked DataLoader workers inherit it
@@ -168,12 +169,12 @@ def _open(spec: SourceSpec):
             spec.builder, data_files=list(spec.files), split="train", streaming=True, **kwargs
         )
     if spec.kind == "embedded":
-        from dtrain.data.embedded import embedded_shards
+        from dtrain.data.embedded import embedded_shards, shard_groups
 
         # One shard per file group: split_dataset_by_node can then give whole shards to streams.
         return datasets.IterableDataset.from_generator(
             _embedded_gen,
-            gen_kwargs={"paths": embedded_shards(spec.max_bytes)},
+            gen_kwargs={"shards": shard_groups(embedded_shards(spec.max_bytes))},
         )
     raise ConfigError(f"unknown source kind {spec.kind!r}")
 
