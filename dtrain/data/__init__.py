@@ -122,7 +122,8 @@ def build_data(
     )
     n_shards = open_records(spec).n_shards
     if n_shards % cfg.num_streams:
-        log.info(
+        # debug, not info: start-up errors must stay the only line on stderr
+        log.debug(
             "the source has %d shards, not a multiple of data.num_streams=%d: every stream reads "
             "all records and keeps every %d-th",
             n_shards,
@@ -133,7 +134,7 @@ def build_data(
     evals = EvalBlocks(
         StreamSpec(eval_spec or spec, tokenizer, seq_len, 1, seed, 1, holdout), holdout
     )
-    log.info(
+    log.debug(
         "data: %s | tokenizer %s (vocab %d) | %d streams, %d workers per rank",
         cfg.source,
         cfg.tokenizer,
