@@ -392,3 +392,26 @@ def test_hub_code_path_on_a_local_folder_with_splits(tmp_path):
             seed=0,
             device=torch.device("cpu"),
         )
+
+
+@pytest.mark.slow
+def test_ddp_2_ranks_x_2_workers_resume_is_bit_exact(tmp_path):
+    # The real loop under torchrun: stream positions gathered from both ranks into the manifest.
+    from tests.conftest import FAST, train_losses
+
+    args = [
+        *FAST,
+        "strategy=ddp",
+        "data.num_workers=2",
+        "trainer.max_steps=8",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+    ]
+    for extra, run in (([], "straight"), (["trainer.stop_at_step=3"], "resumed"), ([], "resumed")):
+        res = launch(*args, *extra, f"hydra.run.dir={tmp_path / run}", nproc=2)
+        assert res.returncode == 0, res.stderr[-3000:]
+    manifest = json.loads((tmp_path / "resumed/checkpoints/step_0000003/manifest.json").read_text())
+    assert sorted(manifest["data"]["streams"], key=int) == [str(s) for s in range(8)]
+    a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    for step in range(4, 9):
+        assert a[step] == b[step], (step, a[step], b[step])
