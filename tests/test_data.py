@@ -415,3 +415,36 @@ def test_ddp_2_ranks_x_2_workers_resume_is_bit_exact(tmp_path):
     a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     for step in range(4, 9):
         assert a[step] == b[step], (step, a[step], b[step])
+
+
+def test_a_truncated_jsonl_stops_with_one_line(tmp_path):
+    # Caught by the start-up probe when the break is in the first chunk pyarrow reads, else by
+    # the worker mid-run: either way one line, never a traceback from a worker.
+    rows = [json.dumps({"text": f"record {i} " * 10}) for i in range(300)]
+    (tmp_path / "d.jsonl").write_text("\n".join(rows) + '\n{"text": "cut in the mid')
+    with pytest.raises(DataError, match="(cannot|could not) be read.*JSON parse error") as e:
+        bundle = build_data(
+            local_cfg(str(tmp_path / "d.jsonl"), num_streams=1, shuffle_window=16),
+            seq_len=32,
+            seed=0,
+            device=torch.device("cpu"),
+        )
+        (b,) = streams(bundle, 1, micro=8, workers=1)
+        for _ in range(200):
+            b.next_step()
+    assert "\n" not in str(e.value)
+
+
+def test_a_file_gone_mid_run_stops_with_one_line_from_the_worker(tmp_path):
+    (tmp_path / "a.txt").write_text("first paragraph here\n\nsecond one here\n\n" * 50)
+    bundle = build_data(
+        local_cfg(str(tmp_path / "a.txt"), num_streams=1),
+        seq_len=8,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    (tmp_path / "a.txt").unlink()  # after the start-up checks, before the worker reads it
+    (b,) = streams(bundle, 1, workers=1)
+    with pytest.raises(DataError, match=r"data could not be read \(FileNotFoundError") as e:
+        b.next_step()
+    assert "\n" not in str(e.value)

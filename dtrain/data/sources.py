@@ -155,6 +155,8 @@ def _open(spec: SourceSpec):
     import datasets
 
     datasets.disable_progress_bars()
+    # datasets logs a read error before raising it; we turn it into one DataError line instead.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if spec.kind == "hub":
         return datasets.load_dataset(spec.path, spec.name, split=spec.split, streaming=True)
     if spec.kind == "local":
