@@ -44,11 +44,15 @@ def _training_texts(spec: SourceSpec, holdout: float, max_bytes: int):
             return
 
 
-def _dist_barrier() -> None:
+def _share_from_rank0(obj):
+    """rank 0's obj on every rank (a collective under torchrun; identity alone)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
 
 
 def build_data(
@@ -105,7 +109,7 @@ def build_data(
         train_bytes=cfg.bpe_train_bytes,
         cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
         is_main=is_main,
-        barrier=_dist_barrier,
+        share=_share_from_rank0,
     )
     if run_dir and is_main and getattr(tokenizer, "tok", None) is not None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)

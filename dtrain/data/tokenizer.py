@@ -147,10 +147,10 @@ def build_tokenizer(
     train_bytes: int,
     cache_dir: Path,
     is_main: bool,
-    barrier: Callable[[], None],
+    share: Callable[[str | None], str],
 ):
-    """The tokenizer named by data.tokenizer. For bpe: rank 0 trains (or finds the cached
-    file), every other rank waits at the barrier and then loads the same file."""
+    """The tokenizer named by data.tokenizer. For bpe: rank 0 trains it (or finds it in the
+    cache) and `share` sends its JSON to every other rank, so nodes need no shared folder."""
     if name == "byte":
         return ByteTokenizer()
     if name != "bpe":
@@ -161,22 +161,23 @@ def build_tokenizer(
             "(256 bytes + end-of-text + merges)"
         )
     path = bpe_cache_path(cache_dir, data_key, vocab_size, train_bytes)
-    if is_main and not path.is_file():
-        log.info(
-            "training a BPE tokenizer (vocab %d) on up to %d bytes of the training data",
-            vocab_size,
-            train_bytes,
-        )
-        tok = train_bpe(train_texts(), vocab_size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tok.save(str(tmp))
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-        log.info("saved the BPE tokenizer to %s", path)
-    barrier()
-    if not path.is_file():
-        raise DataError(f"the trained BPE tokenizer {path} is missing (is data.cache_dir shared?)")
-    out = load_hf_tokenizer(str(path))
-    out.name = "bpe"
+    if is_main:
+        if not path.is_file():
+            log.info(
+                "training a BPE tokenizer (vocab %d) on up to %d bytes of the training data",
+                vocab_size,
+                train_bytes,
+            )
+            tok = train_bpe(train_texts(), vocab_size)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tok.save(str(tmp))
+            os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+            log.info("saved the BPE tokenizer to %s", path)
+        text = path.read_text()
+    else:
+        text = None
+    text = share(text)
+    out = HFTokenizer(_tokenizers().Tokenizer.from_str(text), "bpe")
     out.path = str(path)
     return out
