@@ -21,12 +21,27 @@ from dtrain.model import ModelConfig
 
 @dataclass
 class DataConfig:
-    name: str = "embedded"
-    source: str = "embedded"  # embedded | synthetic
-    tokenizer: str = "byte"
-    vocab_size: int | None = None  # synthetic data only: the vocab of its random tokens
-    eval_fraction: float = 0.02  # share of the corpus held out for eval, never trained on
+    name: str = "embedded"  # the conf/data choice
+    source: str = "embedded"  # embedded | hub | local | synthetic
+    # hub: the dataset (path), its config (subset: load_dataset's `name`) and split; eval_split:
+    # a held-out split (null: hold out eval_fraction of the documents instead).
+    path: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    text_field: str = "text"  # the records' field holding the document
+    files: Any = None  # local: a path, glob or directory, or a list of them
+    format: str | None = None  # local: text | json | parquet (null: from the extension)
+    tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file/folder | a hub tokenizer name
+    vocab_size: int | None = None  # synthetic: its random tokens' vocab; bpe: the vocab to train
+    eval_fraction: float = 0.02  # share of documents held out for eval, never trained on
     max_bytes: int | None = None  # cap on the embedded corpus size (None: all of it)
+    num_streams: int = 8  # streams the data is cut into; the world size must divide it
+    num_workers: int = 1  # DataLoader worker processes per rank (tokenize off the main process)
+    prefetch_factor: int = 4  # items each worker keeps ready
+    shuffle_window: int = 1024  # records shuffled together (per stream, reshuffled per epoch)
+    bpe_train_bytes: int = 100_000_000  # text read to train data.tokenizer=bpe
+    cache_dir: str | None = None  # trained tokenizers (null: $DTRAIN_CACHE or ~/.cache/dtrain)
 
 
 @dataclass

@@ -273,7 +273,14 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     accum = resolve_grad_accum(t, env.world_size)
     global_batch = t.micro_batch_size * accum * env.world_size
 
-    data = build_data(cfg.data, seq_len=t.seq_len, seed=cfg.seed, device=env.device)
+    data = build_data(
+        cfg.data,
+        seq_len=t.seq_len,
+        seed=cfg.seed,
+        device=env.device,
+        is_main=env.is_main,
+        run_dir=cfg.run_dir,
+    )
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < data.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -367,6 +374,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     loss_history: list[tuple[int, float]] = []
     loss_sum = torch.zeros((), device=env.device)
     steps_since_log = 0
+    # Host time blocked on the loader since the last log, for perf/data_wait_pct.
+    data_wait, t_log = 0.0, time.perf_counter()
     stopped_by_signal = False
     t_start = time.perf_counter()
 
@@ -377,7 +386,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
 
     while step < end_step:
         faults.point("train.step", step=step + 1)
+        t_wait = time.perf_counter()
         micro_batches = stream.next_step()
+        data_wait += time.perf_counter() - t_wait
         for i, (x, y) in enumerate(micro_batches):
             loss = strategy.forward_backward(x, y, last_micro=i == accum - 1, loss_div=accum)
             loss_sum += loss.float() / accum
@@ -395,6 +406,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             tok_s = throughput.report()
             mem = gather_memory(strategy.state_bytes(), env.device)
             mfu = (tok_s / env.world_size) * fpt / peak if peak else None
+            now = time.perf_counter()
+            data_wait_pct = 100.0 * data_wait / max(now - t_log, 1e-9)
+            data_wait, t_log = 0.0, now
             info = {
                 "step": step,
                 "loss": mean_loss,
@@ -403,6 +417,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
                 "tokens_per_s": tok_s,
                 "tokens_per_s_per_gpu": tok_s / env.world_size,
                 "mfu": mfu,
+                "data_wait_pct": data_wait_pct,
                 "tokens_seen": stream.consumed * t.seq_len,
                 "elapsed_s": time.perf_counter() - t_start,
                 "memory_per_rank": mem,
@@ -419,6 +434,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
                     "perf/tokens_per_s": tok_s,
                     "perf/tokens_per_s_per_gpu": tok_s / env.world_size,
                     "perf/mfu": mfu,
+                    "perf/data_wait_pct": data_wait_pct,
                     **memory_scalars(mem),
                 },
             )

@@ -1,37 +1,71 @@
-"""Data: sources, tokenizers, packing into blocks, per-rank batches with an exact position."""
+"""Data: sources, tokenizers, packing into blocks, per-rank batches with an exact position.
+
+build_data(cfg) -> DataBundle(train, eval, tokenizer, vocab_size); the loop reads training
+batches through BatchStream(bundle.train, ...) and eval batches through eval_batches(bundle.eval).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from dtrain.config import DataConfig
-from dtrain.data.loader import BatchStream, SyntheticBlocks, TokenBlocks, eval_batches
-from dtrain.data.tokenizer import ByteTokenizer, padded_vocab
-from dtrain.errors import ConfigError, DataError
+from dtrain.data.loader import BatchStream, EvalBlocks, SyntheticBlocks, TrainStreams, eval_batches
+from dtrain.data.sources import SOURCES, SourceSpec, build_source_spec, check_source, open_records
+from dtrain.data.stream import StreamSpec, classify, is_heldout
+from dtrain.data.tokenizer import build_tokenizer, default_cache_dir, padded_vocab
+from dtrain.errors import ConfigError
 
-SOURCES = ("embedded", "synthetic")
-TOKENIZERS = ("byte",)
+log = logging.getLogger("dtrain")
 
 
 @dataclass
 class DataBundle:
-    train: object  # TokenBlocks | SyntheticBlocks
-    eval: object
+    train: object  # TrainStreams | SyntheticBlocks
+    eval: object  # EvalBlocks | SyntheticBlocks
     tokenizer: object | None
     vocab_size: int  # the tokenizer's vocab, padded for the model's embedding
 
 
-def _tokenize_documents(docs: list[str], tokenizer) -> torch.Tensor:
-    ids: list[int] = []
-    for doc in docs:
-        ids.extend(tokenizer.encode(doc))
-        ids.append(tokenizer.eot_id)  # documents are joined by end-of-text: no padding
-    return torch.tensor(ids, dtype=torch.int32)
+def _training_texts(spec: SourceSpec, holdout: float, max_bytes: int):
+    """Documents for training a tokenizer: training documents only, up to max_bytes."""
+    total = 0
+    for rec in open_records(spec):
+        text = rec.get(spec.text_field)
+        if classify(text) is not None or is_heldout(text, holdout):
+            continue
+        yield text
+        total += len(text)
+        if total >= max_bytes:
+            return
 
 
-def build_data(cfg: DataConfig, *, seq_len: int, seed: int, device: torch.device) -> DataBundle:
+def _share_from_rank0(obj):
+    """rank 0's obj on every rank (a collective under torchrun; identity alone)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def build_data(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    seed: int,
+    device: torch.device,
+    is_main: bool = True,
+    run_dir: str | None = None,
+) -> DataBundle:
+    """Check the source and build the tokenizer (one-line errors at start-up), then describe
+    the training streams and the eval set. Nothing is read for training until the first step."""
     if cfg.source not in SOURCES:
         raise ConfigError(
             f"unknown data.source '{cfg.source}'; valid choices: {', '.join(SOURCES)}"
@@ -44,23 +78,74 @@ def build_data(cfg: DataConfig, *, seq_len: int, seed: int, device: torch.device
         train = SyntheticBlocks(cfg.vocab_size, seq_len, seed, device)
         evals = SyntheticBlocks(cfg.vocab_size, seq_len, seed + 1, device)
         return DataBundle(train, evals, None, padded_vocab(cfg.vocab_size))
-    if cfg.tokenizer not in TOKENIZERS:
-        raise ConfigError(
-            f"unknown data.tokenizer '{cfg.tokenizer}'; valid choices: {', '.join(TOKENIZERS)}"
-        )
-    from dtrain.data.embedded import load_embedded_documents
+    for key in ("num_streams", "shuffle_window", "prefetch_factor", "bpe_train_bytes"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"data.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.num_workers}")
 
-    tokenizer = ByteTokenizer()
-    tokens = _tokenize_documents(load_embedded_documents(cfg.max_bytes), tokenizer)
-    n_eval = max(seq_len + 1, int(tokens.numel() * cfg.eval_fraction))
-    if n_eval >= tokens.numel() - seq_len:
-        raise DataError(
-            f"the corpus ({tokens.numel()} tokens) is too small to hold out "
-            f"{n_eval} eval tokens and still train on blocks of {seq_len}"
+    spec = build_source_spec(cfg)
+    check_source(spec)
+    eval_spec = None
+    if cfg.eval_split:
+        if spec.kind != "hub":
+            raise ConfigError(
+                "data.eval_split is for hub datasets; local data holds out "
+                "data.eval_fraction of its documents"
+            )
+        eval_spec = SourceSpec("hub", spec.text_field, spec.path, spec.name, cfg.eval_split)
+        check_source(eval_spec)
+    holdout = 0.0 if eval_spec else cfg.eval_fraction
+
+    if cfg.num_workers > 0:
+        # Each worker tokenizes on its own core; Rust threads inside every worker would
+        # oversubscribe them (and tokenizers warns after a fork).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tokenizer = build_tokenizer(
+        cfg.tokenizer,
+        vocab_size=cfg.vocab_size,
+        train_texts=lambda: _training_texts(spec, holdout, cfg.bpe_train_bytes),
+        data_key=f"{spec.key()}|holdout={holdout}",
+        train_bytes=cfg.bpe_train_bytes,
+        cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
+        is_main=is_main,
+        share=_share_from_rank0,
+    )
+    if run_dir and is_main and getattr(tokenizer, "tok", None) is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        tokenizer.tok.save(str(Path(run_dir) / "tokenizer.json"))  # the run's own copy
+
+    stream_spec = StreamSpec(
+        source=spec,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        n_streams=cfg.num_streams,
+        seed=seed,
+        window=cfg.shuffle_window,
+        holdout=holdout,
+    )
+    n_shards = open_records(spec).n_shards
+    if n_shards % cfg.num_streams:
+        # debug, not info: start-up errors must stay the only line on stderr
+        log.debug(
+            "the source has %d shards, not a multiple of data.num_streams=%d: every stream reads "
+            "all records and keeps every %d-th",
+            n_shards,
+            cfg.num_streams,
+            cfg.num_streams,
         )
-    # The tail is held out: training never sees it.
-    train = TokenBlocks(tokens[:-n_eval], seq_len, "training split")
-    evals = TokenBlocks(tokens[-n_eval:], seq_len, "eval split")
+    train = TrainStreams(stream_spec, cfg.num_workers, cfg.prefetch_factor)
+    evals = EvalBlocks(
+        StreamSpec(eval_spec or spec, tokenizer, seq_len, 1, seed, 1, holdout), holdout
+    )
+    log.debug(
+        "data: %s | tokenizer %s (vocab %d) | %d streams, %d workers per rank",
+        cfg.source,
+        cfg.tokenizer,
+        tokenizer.vocab_size,
+        cfg.num_streams,
+        cfg.num_workers,
+    )
     return DataBundle(train, evals, tokenizer, padded_vocab(tokenizer.vocab_size))
 
 

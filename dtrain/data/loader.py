@@ -1,38 +1,46 @@
-"""Batches for every rank, cut from fixed-length blocks so that resume and sharding are exact.
+"""This rank's batches: streams owned by (rank, worker), a global order, an exact position.
 
-Sequence k of a run (k counts sequences over all ranks since step 0) is a pure function of k and
-the seed: epoch = k // n_blocks picks a permutation seeded by (seed, epoch), and k % n_blocks a
-block in it. A step consumes the global batch [consumed, consumed + G); rank r's micro-step m
-takes G/accum/world consecutive sequences of it. So:
-  * every sequence is read by exactly one rank, none twice, none skipped;
-  * the position is one integer (`consumed`), saved in checkpoints;
-  * resuming with another world size (same or different global batch) continues exactly.
+The data is cut into S = data.num_streams streams (stream.py). Blocks have a global order that
+does not depend on the number of ranks or workers: block k is the (k // S)-th block of stream
+k % S, and step n trains on blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a
+world of size R owns the streams s with s % R == r and takes the blocks k with k % R == r; its
+DataLoader workers split its streams between them. Hence:
+  * each token is read by exactly one (rank, worker), once per epoch of its stream;
+  * a step sees the same blocks with 1 rank x micro 8 as with 2 ranks x micro 4 (parity);
+  * the position is the global count of blocks consumed plus each stream's small state;
+    resuming rebuilds every stream at its state, so the next batch is the one an uninterrupted
+    run would have seen, with any number of workers, and with another world size R' as long as
+    S % R' == 0 (else resume stops with a message naming the valid world sizes).
+Workers run ahead (prefetch); each block carries its stream's state after it, and the state
+that is saved is the one of the last block the loop actually took.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
+from dataclasses import dataclass
+
 import torch
 
-from dtrain.errors import DataError
+from dtrain.data.stream import SKIP_KINDS, StreamSpec, classify, is_heldout, start_state
+from dtrain.data.stream import stream_blocks as _stream_blocks
+from dtrain.errors import ConfigError, DataError
+
+log = logging.getLogger("dtrain")
 
 
-class TokenBlocks:
-    """Blocks of seq_len + 1 tokens (inputs and shifted targets) packed from one token stream."""
+@dataclass
+class TrainStreams:
+    """The training side of a DataBundle: what BatchStream needs to read the streams."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, what: str = "corpus"):
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.n_blocks = (tokens.numel() - 1) // seq_len
-        if self.n_blocks < 1:
-            raise DataError(
-                f"the {what} has {tokens.numel()} tokens, fewer than one block of "
-                f"trainer.seq_len+1={seq_len + 1}; use more data or a shorter seq_len"
-            )
+    spec: StreamSpec
+    num_workers: int = 1
+    prefetch_factor: int = 4
 
-    def get(self, block_ids: torch.Tensor) -> torch.Tensor:
-        starts = block_ids * self.seq_len
-        offsets = torch.arange(self.seq_len + 1)
-        return self.tokens[starts[:, None] + offsets[None, :]].long()  # (B, T+1)
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
 
 
 class SyntheticBlocks:
@@ -40,20 +48,47 @@ class SyntheticBlocks:
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, device: torch.device):
         self.vocab_size, self.seq_len, self.seed, self.device = vocab_size, seq_len, seed, device
-        self.n_blocks = 1 << 40  # effectively endless; the index still seeds each block
         self._gen = torch.Generator(device=device)
 
-    def get(self, block_ids: torch.Tensor) -> torch.Tensor:
-        # One draw per batch seeded by its first block id: deterministic, one kernel launch.
-        self._gen.manual_seed(self.seed * 1_000_003 + int(block_ids[0]))
-        n = block_ids.numel()
+    def get(self, first: int, n: int) -> torch.Tensor:
+        # One draw per micro-batch seeded by its first block id: deterministic, one launch.
+        self._gen.manual_seed(self.seed * 1_000_003 + first)
         return torch.randint(
             0, self.vocab_size, (n, self.seq_len + 1), generator=self._gen, device=self.device
         )
 
 
+class _RankStreams(torch.utils.data.IterableDataset):
+    """What the DataLoader workers of one rank run: worker w of W reads streams owned[w::W] and
+    yields one block of each per item, with the streams' positions after those blocks."""
+
+    def __init__(self, spec: StreamSpec, owned: list[int], states: dict[int, dict]):
+        self.spec, self.owned, self.states = spec, owned, states
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        mine = self.owned[w::n]
+        try:
+            gens = [_stream_blocks(self.spec, s, self.states[s]) for s in mine]
+            while True:
+                blocks, states, skips = [], [], dict.fromkeys(SKIP_KINDS, 0)
+                for g in gens:
+                    blk, st, sk = next(g)
+                    blocks.append(blk)
+                    states.append(st)
+                    for k, v in sk.items():
+                        skips[k] += v
+                yield mine, torch.tensor(blocks, dtype=torch.int32), states, skips
+        except DataError as e:
+            yield "error", str(e), None, None
+        except Exception as e:  # a file that breaks mid-read: one line in the main process
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            yield "error", f"data could not be read ({type(e).__name__}: {first})", None, None
+
+
 class BatchStream:
-    """This rank's micro-batches, step after step, over a TokenBlocks/SyntheticBlocks source."""
+    """This rank's micro-batches, step after step: `next_step()`, `state_dict()`, resume."""
 
     def __init__(
         self,
@@ -65,57 +100,115 @@ class BatchStream:
         world_size: int,
         seed: int,
         device: torch.device,
-        shuffle: bool = True,
     ):
         self.blocks, self.micro, self.accum = blocks, micro_batch_size, grad_accum_steps
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, device
-        self.shuffle = shuffle and isinstance(blocks, TokenBlocks)
-        self.consumed = 0  # sequences consumed by all ranks, before the next step
-        self._perm_epoch, self._perm = -1, None
+        self.consumed = 0  # blocks (sequences) consumed by all ranks before the next step
+        self.skipped = dict.fromkeys(SKIP_KINDS, 0)  # records skipped on this rank
+        self.synthetic = isinstance(blocks, SyntheticBlocks)
+        self._it = None
+        if not self.synthetic:
+            S = blocks.spec.n_streams
+            if S % world_size:
+                valid = [d for d in range(1, S + 1) if S % d == 0]
+                raise ConfigError(
+                    f"data.num_streams={S} cannot be split over {world_size} ranks; use a "
+                    f"multiple of the world size, or a world size in {valid}"
+                )
+            self.owned = list(range(rank, S, world_size))
+            self.states = {s: start_state() for s in self.owned}
+            self._queues: dict[int, deque] = {s: deque() for s in self.owned}
 
     @property
     def global_batch(self) -> int:
         return self.micro * self.accum * self.world
 
-    def _block_ids(self, seq_ids: torch.Tensor) -> torch.Tensor:
-        if not self.shuffle:
-            return seq_ids % self.blocks.n_blocks
-        n = self.blocks.n_blocks
-        epochs, pos = seq_ids // n, seq_ids % n
-        out = torch.empty_like(seq_ids)
-        for e in epochs.unique().tolist():
-            if e != self._perm_epoch:  # one permutation per epoch, seeded by (seed, epoch)
-                g = torch.Generator().manual_seed(self.seed * 7919 + e)
-                self._perm, self._perm_epoch = torch.randperm(n, generator=g), e
-            sel = epochs == e
-            out[sel] = self._perm[pos[sel]]
-        return out
+    # --- reading ----------------------------------------------------------------------------
 
-    def micro_batch_ids(self, micro_step: int, consumed: int | None = None) -> torch.Tensor:
-        """Global sequence ids of this rank's micro-step of the step starting at `consumed`."""
-        base = self.consumed if consumed is None else consumed
-        start = base + micro_step * self.micro * self.world + self.rank * self.micro
-        return torch.arange(start, start + self.micro)
+    def _start(self) -> None:
+        b = self.blocks
+        workers = min(b.num_workers, len(self.owned))
+        ds = _RankStreams(b.spec, self.owned, {s: self.states[s] for s in self.owned})
+        loader = torch.utils.data.DataLoader(
+            ds,
+            batch_size=None,  # items are already one block per stream of a worker
+            num_workers=workers,
+            pin_memory=False,  # the stacked micro-batch is pinned instead (one copy, not two)
+            prefetch_factor=b.prefetch_factor if workers else None,
+            persistent_workers=False,
+        )
+        self._loader, self._it = loader, iter(loader)
+        # The rank's next block: the first k >= consumed with k % world == rank.
+        self._k = self.consumed + (self.rank - self.consumed) % self.world
+
+    def _next_block(self) -> torch.Tensor:
+        s = self._k % self.blocks.spec.n_streams
+        q = self._queues[s]
+        while not q:
+            owned, blocks, states, skips = next(self._it)
+            if owned == "error":
+                raise DataError(blocks)
+            for j, s2 in enumerate(owned):
+                self._queues[s2].append((blocks[j], states[j], skips if j == 0 else None))
+        blk, st, sk = q.popleft()
+        self.states[s] = st
+        if sk:
+            for kind, n in sk.items():
+                if n and not self.skipped[kind]:
+                    log.warning("skipping bad records (%s); counts are in the checkpoint", kind)
+                self.skipped[kind] += n
+        self._k += self.world
+        return blk
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The accum micro-batches (x, y) of this rank for the next step; advances the stream."""
         out = []
-        for m in range(self.accum):
-            blk = self.blocks.get(self._block_ids(self.micro_batch_ids(m)))
-            out.append(self._to_device(blk))
+        if self.synthetic:
+            for m in range(self.accum):
+                first = self.consumed + m * self.micro * self.world + self.rank * self.micro
+                blk = self.blocks.get(first, self.micro)
+                out.append((blk[:, :-1], blk[:, 1:]))
+        else:
+            if self._it is None:
+                self._start()
+            for _ in range(self.accum):
+                blk = torch.stack([self._next_block() for _ in range(self.micro)])
+                out.append(self._to_device(blk))
         self.consumed += self.global_batch
         return out
 
     def _to_device(self, blk: torch.Tensor):
-        if blk.device != self.device:
-            if self.device.type == "cuda":
-                blk = blk.pin_memory().to(self.device, non_blocking=True)
-            else:
-                blk = blk.to(self.device)
+        if self.device.type == "cuda":
+            blk = blk.pin_memory().to(self.device, non_blocking=True)
+        blk = blk.to(self.device).long()
         return blk[:, :-1], blk[:, 1:]
 
+    # --- position -----------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seq_len": self.blocks.seq_len}
+        """The position, gathered from every rank (a collective: all ranks call it together)."""
+        state = {"consumed": self.consumed, "seq_len": self.blocks.seq_len}
+        if self.synthetic:
+            return state
+        mine = {str(s): st for s, st in self.states.items()}
+        skipped = dict(self.skipped)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, (mine, skipped))
+            mine, skipped = {}, dict.fromkeys(SKIP_KINDS, 0)
+            for m, sk in gathered:
+                mine.update(m)
+                for k, v in sk.items():
+                    skipped[k] += v
+        state.update(
+            n_streams=self.blocks.spec.n_streams,
+            streams=mine,
+            skipped=skipped,
+            world_size=self.world,
+        )
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seq_len") != self.blocks.seq_len:
@@ -123,23 +216,79 @@ class BatchStream:
                 f"the checkpoint's data position is in blocks of seq_len={state.get('seq_len')}, "
                 f"this run uses {self.blocks.seq_len}; resume with the same trainer.seq_len"
             )
+        if not self.synthetic:
+            S = self.blocks.spec.n_streams
+            if "streams" not in state:
+                raise DataError(
+                    "the checkpoint holds no stream positions (saved with another data "
+                    "source); resume with the data config it was trained with"
+                )
+            if state["n_streams"] != S:
+                raise DataError(
+                    f"the checkpoint's data is cut into {state['n_streams']} streams, this run "
+                    f"into data.num_streams={S}; resume with data.num_streams="
+                    f"{state['n_streams']} (and a world size that divides it)"
+                )
+            for s in self.owned:
+                self.states[s] = state["streams"][str(s)]
+            self._it = None
         self.consumed = int(state["consumed"])
+
+
+class EvalBlocks:
+    """The held-out blocks: the eval split, or the documents `is_heldout` keeps from training.
+
+    Read in source order (no shuffle) in the process that evaluates, once, then cached: every
+    eval scores the same blocks.
+    """
+
+    def __init__(self, spec: StreamSpec, holdout: float):
+        self.spec, self.holdout = spec, holdout  # holdout 0: all records of spec.source
+        self.seq_len = spec.seq_len
+        self._cache: torch.Tensor | None = None
+
+    def get(self, n: int) -> torch.Tensor:
+        if self._cache is None or self._cache.shape[0] < n:
+            self._cache = self._read(n)
+        blocks = self._cache
+        if blocks.shape[0] < n:  # a small holdout: score it several times over
+            blocks = blocks.repeat((n + blocks.shape[0] - 1) // blocks.shape[0], 1)
+        return blocks[:n]
+
+    def _read(self, n: int) -> torch.Tensor:
+        from dtrain.data.sources import open_records
+
+        T, tok, field = self.seq_len, self.spec.tokenizer, self.spec.source.text_field
+        out, buf = [], []
+        for rec in open_records(self.spec.source):
+            text = rec.get(field)
+            if classify(text) is not None or (self.holdout and not is_heldout(text, self.holdout)):
+                continue
+            buf.extend(tok.encode(text))
+            buf.append(tok.eot_id)
+            while len(buf) >= T + 1:
+                out.append(buf[: T + 1])
+                buf = buf[T:]
+            if len(out) >= n:
+                break
+        if not out:
+            raise DataError(
+                f"the eval set has fewer than {T + 1} tokens: raise data.eval_fraction "
+                f"(now {self.holdout}) or use more data"
+            )
+        return torch.tensor(out, dtype=torch.int32)
 
 
 def eval_batches(
     blocks, *, micro_batch_size: int, steps: int, rank: int, world_size: int, device: torch.device
 ):
     """The same held-out batches at every eval, split across ranks."""
-    stream = BatchStream(
-        blocks,
-        micro_batch_size=micro_batch_size,
-        grad_accum_steps=1,
-        rank=rank,
-        world_size=world_size,
-        seed=0,
-        device=device,
-        shuffle=False,
-    )
-    for _ in range(steps):
-        (xy,) = stream.next_step()
-        yield xy
+    per_step = micro_batch_size * world_size
+    for i in range(steps):
+        first = i * per_step + rank * micro_batch_size
+        if isinstance(blocks, SyntheticBlocks):
+            blk = blocks.get(first, micro_batch_size)
+        else:
+            blk = blocks.get(steps * per_step)[first : first + micro_batch_size]
+            blk = blk.to(device, non_blocking=True).long()
+        yield blk[:, :-1], blk[:, 1:]
