@@ -53,13 +53,13 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"wrote {out}")
         return out
 
-    from dtrain.data import build_tokenizer
+    from dtrain.data import tokenizer_for
     from dtrain.hf import save_hf
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; format=hf writes a directory")
     loaded = load_checkpoint(path, "cpu")
-    tokenizer = build_tokenizer(loaded.data_cfg)
+    tokenizer = tokenizer_for(loaded.data_cfg)
     save_hf(
         loaded.model.state_dict(),
         loaded.model_cfg,

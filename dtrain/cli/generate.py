@@ -40,7 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def main(argv: list[str] | None = None) -> list[str]:
     import torch
 
-    from dtrain.data import build_tokenizer
+    from dtrain.data import tokenizer_for
     from dtrain.dist import pick_device
     from dtrain.generate import SamplingConfig, generate
     from dtrain.weights import load_checkpoint, resolve_checkpoint
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     path = resolve_checkpoint(args.checkpoint)
     loaded = load_checkpoint(path, device)
-    tokenizer = build_tokenizer(loaded.data_cfg)
+    tokenizer = tokenizer_for(loaded.data_cfg)
     if args.prompt_ids is not None:
         ids = list(args.prompt_ids)
     elif tokenizer is None:

@@ -101,16 +101,7 @@ def build_data(
         # Each worker tokenizes on its own core; Rust threads inside every worker would
         # oversubscribe them (and tokenizers warns after a fork).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tokenizer = build_tokenizer(
-        cfg.tokenizer,
-        vocab_size=cfg.vocab_size,
-        train_texts=lambda: _training_texts(spec, holdout, cfg.bpe_train_bytes),
-        data_key=f"{spec.key()}|holdout={holdout}",
-        train_bytes=cfg.bpe_train_bytes,
-        cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
-        is_main=is_main,
-        share=_share_from_rank0,
-    )
+    tokenizer = _tokenizer(cfg, spec, holdout, is_main=is_main, share=_share_from_rank0)
     if run_dir and is_main and getattr(tokenizer, "tok", None) is not None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         tokenizer.tok.save(str(Path(run_dir) / "tokenizer.json"))  # the run's own copy
@@ -149,16 +140,28 @@ def build_data(
     return DataBundle(train, evals, tokenizer, padded_vocab(tokenizer.vocab_size))
 
 
-def build_tokenizer(cfg: DataConfig):
-    """The tokenizer a data config trains with, without reading any data (generation and
-    export need it); None for synthetic data, whose tokens mean nothing."""
+def _tokenizer(cfg: DataConfig, spec: SourceSpec, holdout: float, *, is_main: bool, share):
+    return build_tokenizer(
+        cfg.tokenizer,
+        vocab_size=cfg.vocab_size,
+        train_texts=lambda: _training_texts(spec, holdout, cfg.bpe_train_bytes),
+        data_key=f"{spec.key()}|holdout={holdout}",
+        train_bytes=cfg.bpe_train_bytes,
+        cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
+        is_main=is_main,
+        share=share,
+    )
+
+
+def tokenizer_for(cfg: DataConfig):
+    """The tokenizer a data config trains with, in one process (generation and export need it):
+    the cached BPE of the run's data when there is one. None for synthetic data, whose tokens
+    mean nothing."""
     if cfg.source == "synthetic":
         return None
-    if cfg.tokenizer not in TOKENIZERS:
-        raise ConfigError(
-            f"unknown data.tokenizer '{cfg.tokenizer}'; valid choices: {', '.join(TOKENIZERS)}"
-        )
-    return ByteTokenizer()
+    spec = build_source_spec(cfg)
+    holdout = 0.0 if cfg.eval_split else cfg.eval_fraction
+    return _tokenizer(cfg, spec, holdout, is_main=True, share=lambda text: text)
 
 
-__all__ = ["BatchStream", "DataBundle", "build_data", "build_tokenizer", "eval_batches"]
+__all__ = ["BatchStream", "DataBundle", "build_data", "eval_batches", "tokenizer_for"]
