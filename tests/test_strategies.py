@@ -124,6 +124,7 @@ def test_fsdp_checkpoint_moves_to_single(runs, tmp_path):
     assert_close(train_losses(runs.get("single")), train_losses(moved), range(11, 21))
 
 
+@pytest.mark.slow
 def test_single_checkpoint_moves_to_fsdp_and_fsdp_resumes_bit_exactly(runs, tmp_path):
     args = [*STEPS, MICRO[2], "strategy=fsdp"]
     _ok(launch(*args, f"resume={runs.ckpt('single')}", f"hydra.run.dir={tmp_path}/a", nproc=2))
@@ -203,6 +204,7 @@ def test_zero_matches_single_and_shows_the_zero_picture(runs, stage):
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_zero_checkpoint_moves_to_single_and_resumes_bit_exactly(runs, tmp_path):
     moved = tmp_path / "single_from_zero2"
     train(moved, *STEPS, MICRO[1], f"resume={runs.ckpt('zero2')}")
