@@ -105,7 +105,6 @@ class DeepSpeedStrategy(Strategy):
             "allgather_bucket_size": bucket,
         }
         if self.stage == 3:
-            zero["stage3_prefetch_bucket_size"] = bucket
             # Vectors (norm gains, <= d_model elements) stay whole on every rank: gathering
             # them costs a collective each for no memory worth saving. Matrices are sharded.
             zero["stage3_param_persistence_threshold"] = model_cfg.d_model
