@@ -178,7 +178,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} is a native DeepSpeed checkpoint, not a dtrain one; "
                 f"consolidate its weights with DeepSpeed's `python {path}/zero_to_fp32.py {path} "
-                "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save dtrain checkpoints)"
+                "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save its own format)"
             )
         if not is_complete(path):
             raise CheckpointError(

@@ -188,6 +188,25 @@ class DeepSpeedStrategy(Strategy):
             self.engine.compile()
         self.module, self.model = module, self.engine
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._grad_bytes = 0
+        if self.stage == 1:
+            self._watch_reduction()
+
+    def _watch_reduction(self) -> None:
+        """ZeRO-1: count gradient bytes just before the engine reduces them (first step only).
+
+        ZeRO-1 holds full gradients until the end of the backward and frees them once they are
+        reduced into this rank's partition, so after the backward only the partition is left.
+        (ZeRO-2/3 reduce bucket by bucket during the backward; their gradients then live in
+        DeepSpeed's reduction buckets, communication workspace sized by bucket_cap_mb, and
+        in the partition, which is what is counted after the backward.)"""
+        original = self.engine.allreduce_gradients
+
+        def measured(*args, **kwargs):
+            self._grad_bytes = max(self._grad_bytes, self._measure_grads())
+            return original(*args, **kwargs)
+
+        self.engine.allreduce_gradients = measured  # an instance attribute: del restores
 
     # --- training ----------------------------------------------------------------------
     def forward_backward(
@@ -198,7 +217,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
         if last_micro:
             if self._state_bytes is None:  # gradients exist until the step consumes them
-                self._grad_bytes = self._measure_grads()
+                self._grad_bytes = max(self._grad_bytes, self._measure_grads())
         else:
             # Off the accumulation boundary step() only counts the micro-step (no update);
             # the engine needs the count to know where the boundary is.
@@ -211,6 +230,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine.step()  # reduces, clips to gradient_clipping, steps, zeroes gradients
         if self._state_bytes is None:
             self._state_bytes = self.measure_state_bytes()
+            vars(self.engine).pop("allreduce_gradients", None)  # back to the engine's own
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
 
@@ -246,7 +266,7 @@ class DeepSpeedStrategy(Strategy):
         moments = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
         return StateBytes(
             params_bytes=tensor_bytes(params),
-            grads_bytes=getattr(self, "_grad_bytes", 0),
+            grads_bytes=self._grad_bytes,
             optim_bytes=tensor_bytes(moments),
             master_bytes=tensor_bytes(masters),
         )
