@@ -90,4 +90,3 @@ def test_a_native_deepspeed_checkpoint_is_refused_with_what_to_run(tmp_path):
     (tmp_path / "latest").write_text("global_step10")
     with pytest.raises(CheckpointError, match="zero_to_fp32.py"):
         CheckpointManager.read_manifest(tmp_path)
-
