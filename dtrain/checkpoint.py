@@ -172,6 +172,14 @@ class CheckpointManager:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist")
+        if (path / "latest").is_file() or any(path.glob("global_step*")):
+            # engine.save_checkpoint's layout: its ZeRO partitions are laid out for one world
+            # size and DeepSpeed version; dtrain's zero1/2/3 write the common format instead.
+            raise CheckpointError(
+                f"checkpoint {path} is a native DeepSpeed checkpoint, not a dtrain one; "
+                f"consolidate its weights with DeepSpeed's `python {path}/zero_to_fp32.py {path} "
+                "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save its own format)"
+            )
         if not is_complete(path):
             raise CheckpointError(
                 f"checkpoint {path} is incomplete (no {MARKER} marker): it was interrupted "

@@ -49,6 +49,15 @@ class StrategyConfig:
     name: str = "single"
     compile: bool | None = None  # None: compile on CUDA, eager on CPU
     bucket_cap_mb: int = 25  # DDP gradient bucket size
+    # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like); false keeps
+    # them until the backward (ZeRO-2-like: more memory, one all-gather less per step).
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer step on the CPU
+    activation_checkpointing: str = "none"  # fsdp: none | full | selective (per block)
+    replicate_degree: int = 1  # fsdp: > 1 is HSDP (replicate across groups, shard within)
+    stage: int | None = None  # deepspeed: ZeRO stage 1, 2 or 3 (zero1/2/3 set it)
+    offload_optimizer: bool = False  # deepspeed: optimizer states and step on the CPU
+    offload_params: bool = False  # deepspeed (stage 3): parameters on the CPU
 
 
 @dataclass
@@ -261,6 +270,7 @@ def from_dictconfig(dcfg: Any) -> TrainConfig:
 # --- validation --------------------------------------------------------------------------
 
 RESUME_CHOICES = ("auto", "never")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 def _positive(value: int | float | None, key: str, allow_zero: bool = False) -> None:
@@ -315,6 +325,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    _validate_strategy(cfg.strategy)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
@@ -343,6 +354,19 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         from dtrain.hf import parse_init_from
 
         parse_init_from(m.init_from)
+
+
+def _validate_strategy(s: StrategyConfig) -> None:
+    """Ranges and choices; which strategy honours which option is checked by the strategy."""
+    if s.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError(
+            f"strategy.activation_checkpointing={s.activation_checkpointing!r} is not valid; "
+            f"choose {', '.join(ACTIVATION_CHECKPOINTING)}"
+        )
+    _positive(s.replicate_degree, "strategy.replicate_degree")
+    _positive(s.bucket_cap_mb, "strategy.bucket_cap_mb")
+    if s.stage is not None and s.stage not in (1, 2, 3):
+        raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
 
 
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:

@@ -295,6 +295,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     resume_path = on_rank0(env, lambda: resolve_resume(cfg, ckpt))
 
     ddist.seed_everything(cfg.seed)
+    strategy.configure(
+        micro_batch_size=t.micro_batch_size, grad_accum_steps=accum, grad_clip=t.grad_clip
+    )
     strategy.setup(cfg.model, cfg.optim, cfg.seed)
     stream = BatchStream(
         data.train,

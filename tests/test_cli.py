@@ -6,7 +6,7 @@ import pytest
 from tests.conftest import FAST, launch
 
 BAD = [
-    (["strategy=nope"], "unknown strategy 'nope'; valid choices: ddp, single"),
+    (["strategy=nope"], "unknown strategy 'nope'; valid choices: ddp, deepspeed, fsdp"),
     (["precision=fp7"], "unknown precision 'fp7'"),
     (["model=huge"], "unknown model 'huge'"),
     (["data=nowhere"], "unknown data 'nowhere'"),

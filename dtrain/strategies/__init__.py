@@ -8,11 +8,20 @@ from dtrain.errors import ConfigError
 from dtrain.precision import Precision
 from dtrain.strategies.base import StateBytes, Strategy
 from dtrain.strategies.ddp import DDPStrategy
+from dtrain.strategies.deepspeed import DeepSpeedStrategy
+from dtrain.strategies.fsdp import FSDPStrategy
 from dtrain.strategies.single import SingleStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleStrategy,
     "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "hsdp": FSDPStrategy,  # fsdp with replicate_degree > 1 (conf/strategy/hsdp.yaml)
+    # One DeepSpeed class for every ZeRO stage; zero1/2/3 are deepspeed with the stage set.
+    "deepspeed": DeepSpeedStrategy,
+    "zero1": DeepSpeedStrategy,
+    "zero2": DeepSpeedStrategy,
+    "zero3": DeepSpeedStrategy,
 }
 
 

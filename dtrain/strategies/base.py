@@ -36,7 +36,10 @@ class StateBytes:
 
     params_bytes: int = 0
     grads_bytes: int = 0
-    optim_bytes: int = 0
+    optim_bytes: int = 0  # optimizer states (AdamW's two moments and step)
+    # An fp32 master copy of the weights kept apart from the parameters (DeepSpeed's ZeRO
+    # optimizers keep one even in fp32); 0 where the parameters are the master weights.
+    master_bytes: int = 0
 
 
 def tensor_bytes(tensors) -> int:
@@ -66,6 +69,18 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer):
                 yield v
 
 
+# StrategyConfig keys that only some strategies honour; each strategy lists its own in `options`.
+OPTIONAL_KEYS = (
+    "reshard_after_forward",
+    "cpu_offload",
+    "activation_checkpointing",
+    "replicate_degree",
+    "stage",
+    "offload_optimizer",
+    "offload_params",
+)
+
+
 class Strategy:
     name = "single"
     precisions: tuple[str, ...] = (
@@ -78,6 +93,7 @@ class Strategy:
         "fp8",
     )
     needs_distributed = False
+    options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.cfg, self.precision, self.env = cfg, precision, env
@@ -87,6 +103,7 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
+        self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
         self.check()
 
     # --- config-time checks ------------------------------------------------------------
@@ -97,12 +114,26 @@ class Strategy:
                 f"valid precisions for it: {', '.join(self.precisions)}"
             )
         check_strategy(self.precision, self.name)
+        default = StrategyConfig()
+        for key in OPTIONAL_KEYS:
+            if key not in self.options and getattr(self.cfg, key) != getattr(default, key):
+                honoured = ", ".join(self.options) or "none of them"
+                raise ConfigError(
+                    f"strategy.{key}={getattr(self.cfg, key)!r} does not apply to "
+                    f"strategy={self.name}; its options: {honoured}"
+                )
 
     @property
     def compile_enabled(self) -> bool:
         return self.cfg.compile if self.cfg.compile is not None else self.device.type == "cuda"
 
     # --- building ----------------------------------------------------------------------
+    def configure(self, *, micro_batch_size: int, grad_accum_steps: int, grad_clip: float) -> None:
+        """The batch shape and clipping, for strategies that must know them when built."""
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.grad_clip = grad_clip
+
     def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
         self.module = build_model(model_cfg, self.device, seed)
         apply_precision(self.module, self.precision)  # dtype casts / module swaps, before wrapping

@@ -1,0 +1,361 @@
+"""strategy=zero1|zero2|zero3 (= strategy=deepspeed strategy.stage=N): a DeepSpeed ZeRO engine.
+
+ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients, ZeRO-3 also the parameters
+(Rajbhandari et al. 2019). The DeepSpeed JSON config is generated from ours: micro-batch,
+accumulation, clipping, precision, bucket sizes and offload. Our schedule owns the learning rate
+(written into the optimizer's groups before each step; DeepSpeed gets no scheduler).
+
+Checkpoints are written in the common format every strategy uses (full fp32 weights and AdamW
+moments keyed by parameter name, saved with DCP), gathered through DeepSpeed's tensor-fragment
+API and scattered back on load. So a ZeRO checkpoint resumes bit-exactly under the same stage and
+loads as it is into single, DDP, FSDP or another ZeRO stage, and back.
+
+deepspeed is imported lazily: `import dtrain` never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+
+from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
+from dtrain.dist import DistEnv
+from dtrain.errors import ConfigError
+from dtrain.model import build_model
+from dtrain.optim import build_optimizer, param_groups
+from dtrain.precision import Precision
+from dtrain.strategies.base import StateBytes, Strategy, tensor_bytes
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def zero_stage(cfg: StrategyConfig) -> int:
+    """The ZeRO stage from strategy=zeroN or strategy=deepspeed strategy.stage=N."""
+    if cfg.name.startswith("zero"):
+        implied = int(cfg.name[4:])
+        if cfg.stage is not None and cfg.stage != implied:
+            raise ConfigError(
+                f"strategy={cfg.name} is ZeRO stage {implied} but strategy.stage={cfg.stage}; "
+                f"use strategy=zero{cfg.stage} or strategy=deepspeed strategy.stage={cfg.stage}"
+            )
+        return implied
+    if cfg.stage is None:
+        raise ConfigError("strategy=deepspeed needs strategy.stage=1, 2 or 3 (or strategy=zeroN)")
+    return cfg.stage
+
+
+def _tensors_in(obj):
+    """Every tensor inside nested lists/tuples/dicts (ZeRO keeps its buffers in such)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    needs_distributed = True
+    # What this translation covers (bf16: DeepSpeed's bf16 section, fp32 masters). fp16 would
+    # need DeepSpeed's own loss scaler wired to our overflow metrics; quantized precisions are
+    # refused by precision.check_strategy with the reason.
+    precisions = ("fp32", "bf16")
+    options = ("stage", "offload_optimizer", "offload_params")
+
+    def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
+        self.stage = zero_stage(cfg)
+        self.name = f"zero{self.stage}"  # what the manifest and the logs call it
+        super().__init__(cfg, precision, env)
+        self.engine = None
+
+    def check(self) -> None:
+        super().check()
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(
+                f"strategy={self.cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
+            )
+        if self.cfg.offload_params and self.stage != 3:
+            raise ConfigError(
+                f"strategy.offload_params needs ZeRO stage 3 (strategy=zero3); stage {self.stage} "
+                "keeps full parameters on every rank"
+            )
+
+    @property
+    def compile_enabled(self) -> bool:
+        # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked.
+        if self.cfg.compile is None:
+            return self.device.type == "cuda" and self.stage < 3
+        return self.cfg.compile
+
+    # --- building ----------------------------------------------------------------------
+    def ds_config(self, model_cfg: ModelConfig) -> dict:
+        """DeepSpeed's JSON config, generated from ours."""
+        on_cuda = self.device.type == "cuda"
+        bucket = self.cfg.bucket_cap_mb * 2**20 // 4  # DeepSpeed counts elements, not bytes
+        zero: dict = {
+            "stage": self.stage,
+            "overlap_comm": on_cuda,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        }
+        if self.stage == 3:
+            # Vectors (norm gains, <= d_model elements) stay whole on every rank: gathering
+            # them costs a collective each for no memory worth saving. Matrices are sharded.
+            zero["stage3_param_persistence_threshold"] = model_cfg.d_model
+        if self.cfg.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
+        if self.cfg.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": on_cuda}
+        p = self.precision
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum_steps,
+            "train_batch_size": self.micro_batch_size * self.grad_accum_steps * self.env.world_size,
+            "gradient_clipping": self.grad_clip,  # 0 disables it in DeepSpeed too
+            "zero_optimization": zero,
+            # Our AdamW is not on DeepSpeed's tested list; it is the one single/DDP/FSDP run.
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if p.mixed:
+            # bf16 parameters for compute, fp32 master weights and moments in the optimizer.
+            config[_DTYPE_NAMES[p.compute_dtype]] = {"enabled": True}
+            config["communication_data_type"] = _DTYPE_NAMES[p.reduce_dtype]
+        return config
+
+    def build_ds_optimizer(self, module: nn.Module, cfg: OptimConfig):
+        """DeepSpeed's fused Adam on CUDA (CPU Adam when offloading) when its op builds;
+        otherwise torch's AdamW, the same optimizer single/DDP/FSDP use."""
+        if self.device.type == "cuda":
+            try:
+                kw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+                groups = param_groups(module, cfg.weight_decay)
+                if self.cfg.offload_optimizer:
+                    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                    return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+                from deepspeed.ops.adam import FusedAdam
+
+                return FusedAdam(groups, adam_w_mode=True, **kw)
+            except Exception as e:  # the op needs nvcc/a C++ toolchain; torch's works anyway
+                import logging
+
+                logging.getLogger("dtrain").warning(
+                    "DeepSpeed's Adam op did not build (%s); using torch.optim.AdamW", e
+                )
+        return build_optimizer(module, cfg, self.device)
+
+    def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
+        import deepspeed
+
+        module = build_model(model_cfg, self.device, seed)
+        # Parameter names in the common checkpoint format; tied weights have two names.
+        self._names: dict[nn.Parameter, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self._names.setdefault(p, []).append(name)
+        # The hyperparameters of torch's AdamW: what single/DDP/FSDP checkpoints carry.
+        reference = build_optimizer(module, optim_cfg, self.device)
+        self._groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [self._names[p][0] for p in g["params"]],
+            }
+            for g in reference.param_groups
+        ]
+        del reference
+        if self.compile_enabled and self.stage < 3:
+            for block in module.layers.values():
+                block.compile()  # in place: names unchanged
+        rope = module.rope_cache
+        optimizer = self.build_ds_optimizer(module, optim_cfg)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            config=self.ds_config(model_cfg),
+            dist_init_required=False,
+        )
+        # DeepSpeed's bf16 casts every buffer; RoPE angles in bf16 lose positions. Keep fp32.
+        module.rope_cache = rope
+        if self.compile_enabled and self.stage == 3:
+            self.engine.compile()
+        self.module, self.model = module, self.engine
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._grad_bytes = 0
+        if self.stage == 1:
+            self._watch_reduction()
+
+    def _watch_reduction(self) -> None:
+        """ZeRO-1: count gradient bytes just before the engine reduces them (first step only).
+
+        ZeRO-1 holds full gradients until the end of the backward and frees them once they are
+        reduced into this rank's partition, so after the backward only the partition is left.
+        (ZeRO-2/3 reduce bucket by bucket during the backward; their gradients then live in
+        DeepSpeed's reduction buckets, communication workspace sized by bucket_cap_mb, and
+        in the partition, which is what is counted after the backward.)"""
+        original = self.engine.allreduce_gradients
+
+        def measured(*args, **kwargs):
+            self._grad_bytes = max(self._grad_bytes, self._measure_grads())
+            return original(*args, **kwargs)
+
+        self.engine.allreduce_gradients = measured  # an instance attribute: del restores
+
+    # --- training ----------------------------------------------------------------------
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool, loss_div: int
+    ) -> torch.Tensor:
+        assert loss_div == self.grad_accum_steps, "DeepSpeed was built for another accumulation"
+        loss = self.engine(x, y)
+        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+        if last_micro:
+            if self._state_bytes is None:  # gradients exist until the step consumes them
+                self._grad_bytes = max(self._grad_bytes, self._measure_grads())
+        else:
+            # Off the accumulation boundary step() only counts the micro-step (no update);
+            # the engine needs the count to know where the boundary is.
+            self.engine.step()
+        return loss.detach()
+
+    def clip_and_step(self, lr: float, grad_clip: float) -> torch.Tensor:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()  # reduces, clips to gradient_clipping, steps, zeroes gradients
+        if self._state_bytes is None:
+            self._state_bytes = self.measure_state_bytes()
+            vars(self.engine).pop("allreduce_gradients", None)  # back to the engine's own
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y).detach()
+
+    # --- accounting --------------------------------------------------------------------
+    def _zero_param_tensors(self) -> list[torch.Tensor]:
+        # Stage 3 keeps this rank's partition in ds_tensor (p.data is empty between uses).
+        return [getattr(p, "ds_tensor", p) for p in self.module.parameters()]
+
+    def _measure_grads(self) -> int:
+        """Gradient storage after the last backward of a step: full .grad (stage 1), the
+        partitioned buffers ZeRO-2/3 reduce into (views of one buffer count once)."""
+        opt = self.engine.optimizer
+        tensors = [p.grad for p in self.module.parameters()]
+        for name in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
+            tensors += list(_tensors_in(getattr(opt, name, None)))
+        return tensor_bytes(tensors)
+
+    def measure_state_bytes(self) -> StateBytes:
+        opt = self.engine.optimizer
+        params = self._zero_param_tensors()
+        param_storages = {t.untyped_storage().data_ptr() for t in params if t.numel()}
+        masters = [
+            t
+            for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+            for t in getattr(opt, name, [])
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in param_storages
+        ]
+        inner = opt.optimizer
+        moments = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+        return StateBytes(
+            params_bytes=tensor_bytes(params),
+            grads_bytes=self._grad_bytes,
+            optim_bytes=tensor_bytes(moments),
+            master_bytes=tensor_bytes(masters),
+        )
+
+    # --- checkpoints: the common format ------------------------------------------------
+    @torch.no_grad()
+    def _ensure_optimizer_states(self) -> None:
+        """ZeRO creates AdamW's moments at the first step; a checkpoint may be loaded before
+        it. One step with zero gradients at lr 0 creates them and leaves the weights exactly
+        as they are (the moments and step count are then overwritten by the load)."""
+        opt = self.engine.optimizer
+        inner = opt.optimizer
+        flat = [p for g in inner.param_groups for p in g["params"]]
+        if not all(p in inner.state for p in flat):
+            self._create_optimizer_states(inner)
+        if self.stage < 3:
+            # Point every parameter's fragment at its slice of the moments. DeepSpeed (0.19) links
+            # them once, right after stepping the first parameter group, when the later groups'
+            # moments do not exist yet; ours has two (decayed matrices, undecayed gains).
+            from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+            for i, hp in enumerate(opt.single_partition_of_fp32_groups):
+                lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], hp, inner.state)
+
+    @staticmethod
+    def _create_optimizer_states(inner: torch.optim.Optimizer) -> None:
+        saved = [(p.grad, g["lr"]) for g in inner.param_groups for p in g["params"]]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        it = iter(saved)
+        for g in inner.param_groups:
+            for p in g["params"]:
+                p.grad, g["lr"] = next(it)
+
+    def _adam_step(self) -> float:
+        inner = self.engine.optimizer.optimizer
+        for st in inner.state.values():
+            if "step" in st:
+                return float(st["step"])
+        return float(inner.param_groups[0].get("step", 0))  # DeepSpeed's FusedAdam
+
+    def state_dict(self) -> dict:
+        """Full fp32 weights and AdamW moments keyed by name (collective: every rank calls)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._ensure_optimizer_states()
+        step = torch.tensor(self._adam_step(), dtype=torch.float32)
+        model, state = {}, {}
+        for p in self._params:
+            names = self._names[p]
+            full = safe_get_full_fp32_param(p).detach().cpu()
+            for name in names:
+                model[name] = full
+            state[names[0]] = {
+                "step": step.clone(),
+                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().cpu(),
+                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().cpu(),
+            }
+        groups = [dict(g, params=list(g["params"])) for g in self._groups]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        self._ensure_optimizer_states()
+        dev = self.device
+        for p in self._params:
+            name = self._names[p][0]
+            safe_set_full_fp32_param(p, state["model"][name].to(dev))
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, state["optim"]["state"][name][key].to(dev), key)
+        step = float(next(iter(state["optim"]["state"].values()))["step"])
+        inner = self.engine.optimizer.optimizer
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = (
+                    torch.full_like(st["step"], step) if torch.is_tensor(st["step"]) else int(step)
+                )
+        for g in inner.param_groups:
+            if "step" in g:
+                g["step"] = int(step)
+        # The fp32 masters are set; copy them into the (bf16 or fp32) working parameters.
+        opt = self.engine.optimizer
+        if self.stage < 3:
+            opt.update_lp_params()
+        else:  # the routine ZeRO-3's own step ends with (copy, or swap out when offloaded)
+            for i in range(len(opt.fp16_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)

@@ -1,0 +1,156 @@
+"""strategy=fsdp: FSDP2 (`fully_shard`, DTensor parameters) per transformer block, then the root.
+
+Every rank holds 1/world of the parameters, gradients and optimizer states (ZeRO-3); a block's
+parameters are all-gathered just before its forward and backward and its gradients
+reduce-scattered right after its backward. `strategy.replicate_degree=R` > 1 is HSDP: a 2-D mesh
+(R replicas x world/R shards), sharding within a group (one node, fast links) and all-reducing
+across groups.
+
+The model is built on the meta device and sharded before any weight exists; each rank then
+materialises only its shard. `GPT.init_weights` draws every parameter whole from its own seeded
+generator and hands it to `place`, which keeps this rank's slice: FSDP starts from exactly the
+weights `strategy=single` starts from, on any number of ranks.
+
+Wrappers go on in torchtitan's order: activation checkpointing -> compile -> fully_shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from dtrain.config import ModelConfig, OptimConfig
+from dtrain.errors import ConfigError
+from dtrain.model import GPT
+from dtrain.precision import apply_precision, build_loss_scaler, build_precision_optimizer
+from dtrain.strategies.base import Strategy
+
+# Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
+# attention) and recomputes everything else (norms, activations, RoPE: cheap, memory-bound).
+_SAC_SAVE = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+}
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if str(op) in _SAC_SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(block: nn.Module, mode: str) -> nn.Module:
+    """Wrap one block so its activations are recomputed in the backward (full) or only the
+    cheap ones are (selective). DCP's state-dict helpers strip the wrapper from names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return checkpoint_wrapper(
+        block,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
+        preserve_rng_state=False,
+    )
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    needs_distributed = True
+    options = (
+        "reshard_after_forward",
+        "cpu_offload",
+        "activation_checkpointing",
+        "replicate_degree",
+    )
+
+    def check(self) -> None:
+        super().check()
+        world, r = self.env.world_size, self.cfg.replicate_degree
+        if world % r:
+            raise ConfigError(
+                f"strategy.replicate_degree={r} does not divide the world size {world}; "
+                f"choose a divisor of {world} (replica groups x shards per group = world size)"
+            )
+
+    # --- building ----------------------------------------------------------------------
+    def build_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, r = self.env.world_size, self.cfg.replicate_degree
+        if r > 1:
+            return init_device_mesh(
+                self.device.type, (r, world // r), mesh_dim_names=("replicate", "shard")
+            )
+        return init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
+
+    def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import distribute_tensor
+
+        self.mesh = self.build_mesh()
+        p = self.precision
+        mp = MixedPrecisionPolicy(
+            param_dtype=p.compute_dtype if p.mixed else None, reduce_dtype=p.reduce_dtype
+        )
+        shard_kw: dict = {"mesh": self.mesh, "mp_policy": mp}
+        if self.cfg.cpu_offload:
+            shard_kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+        # dtype casts and module swaps (int8/fp8 linears) before any wrapping; fp8 then
+        # all-gathers its weights in fp8.
+        apply_precision(model, p, sharded=True)
+        blocks = list(model.layers.items())
+        for i, (key, block) in enumerate(blocks):
+            if self.cfg.activation_checkpointing != "none":
+                block = apply_activation_checkpointing(block, self.cfg.activation_checkpointing)
+            if self.compile_enabled:
+                block.compile()  # in place: parameter names stay those of the plain model
+            # The last block's parameters are needed again at once by the backward: keeping
+            # them gathered saves one all-gather (torchtitan does the same).
+            last = i == len(blocks) - 1
+            fully_shard(
+                block, reshard_after_forward=self.cfg.reshard_after_forward and not last, **shard_kw
+            )
+            model.layers[key] = block
+        # The root takes what is left: embeddings (tied or not), final norm, output layer.
+        fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **shard_kw)
+
+        # Materialise only this rank's shards; offloaded shards live in host memory.
+        model.to_empty(device="cpu" if self.cfg.cpu_offload else self.device)
+        model.tie_weights()
+
+        def place(param: torch.Tensor, full: torch.Tensor) -> None:
+            # src_data_rank=None: every rank already holds the same full tensor (same seed),
+            # so each keeps its slice with no communication.
+            local = distribute_tensor(
+                full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+            )
+            param.copy_(local)
+
+        model.init_weights(seed, place=place)
+        if self.cfg.cpu_offload and self.device.type == "cuda":
+            model.rope_cache = model.rope_cache.to(self.device)  # a buffer FSDP does not move
+        self.module = self.model = model
+        self.optimizer = build_precision_optimizer(model, optim_cfg, p, self.device)
+        self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
+
+    # --- training ----------------------------------------------------------------------
+    def no_sync(self, last_micro: bool):
+        # Non-final micro-steps accumulate unsharded gradients locally; the final one
+        # reduce-scatters (and, for HSDP, all-reduces across replicas) the sum once.
+        self.model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()

@@ -1,0 +1,41 @@
+"""The baseline loops for the strategies benchmark run (CPU smoke mode, 2 ranks, gloo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, cli_env
+
+
+def torchrun(script: str, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    res = subprocess.run(
+        [*cmd, str(ROOT / "bench" / script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cli_env(),
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1]
+    return json.loads(line)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_loop_smoke():
+    out = torchrun("deepspeed_loop.py", "--stage", "3")
+    assert out["wrapper"] == "zero3" and out["world_size"] == 2 and out["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
+def test_fabric_loop_smoke():
+    out = torchrun("fabric_loop.py", "--strategy", "ddp")
+    assert out["loop"] == "fabric" and out["world_size"] == 2 and out["final_loss"] > 0

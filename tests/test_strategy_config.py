@@ -1,0 +1,92 @@
+"""Strategy options: the YAML presets compose, bad values fail with one line (exit code 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dtrain.dist import DistEnv
+from dtrain.errors import CheckpointError, ConfigError
+from dtrain.precision import PRECISIONS
+from dtrain.strategies import build_strategy
+from tests.conftest import FAST, compose, launch
+
+
+def env(world: int) -> DistEnv:
+    return DistEnv(rank=0, local_rank=0, world_size=world, device=torch.device("cpu"))
+
+
+def strategy(overrides: list[str], world: int = 2):
+    cfg = compose(*FAST, *overrides)
+    return build_strategy(cfg.strategy, PRECISIONS[cfg.precision.name], env(world))
+
+
+@pytest.mark.parametrize("name", ["fsdp", "hsdp", "zero1", "zero2", "zero3", "deepspeed"])
+def test_presets_compose_to_their_strategy(name):
+    cfg = compose(*FAST, f"strategy={name}")
+    assert cfg.strategy.name == name
+    if name == "hsdp":
+        assert cfg.strategy.replicate_degree == 2
+    if name.startswith("zero"):
+        assert cfg.strategy.stage == int(name[-1])
+
+
+def test_zero_stage_comes_from_the_name_or_the_stage_key():
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    assert strategy(["strategy=zero3"]).stage == 3
+    s = strategy(["strategy=deepspeed", "strategy.stage=1"])
+    assert (s.stage, s.name) == (1, "zero1")
+
+
+BAD = [
+    (["strategy=fsdp", "strategy.replicate_degree=3"], 2, "does not divide the world size 2"),
+    (["strategy=ddp", "strategy.offload_optimizer=true"], 2, "does not apply to strategy=ddp"),
+    (["strategy=fsdp", "strategy.offload_params=true"], 2, "does not apply to strategy=fsdp"),
+    (["strategy=single", "strategy.cpu_offload=true"], 1, "does not apply to strategy=single"),
+    (["strategy=zero2", "strategy.stage=3"], 2, "use strategy=zero3"),
+    (["strategy=zero2", "strategy.offload_params=true"], 2, "needs ZeRO stage 3"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_strategy_options_are_refused(overrides, world, message):
+    if "zero" in overrides[0] and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    with pytest.raises(ConfigError, match=message):
+        strategy(overrides, world)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["strategy=deepspeed", "strategy.stage=4"], "strategy.stage=4 is not a ZeRO stage"),
+        (["strategy=fsdp", "strategy.activation_checkpointing=some"], "choose none, full"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
+    res = launch(*FAST, *args, f"hydra.run.dir={tmp_path}/run")
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_without_deepspeed_zero_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a)
+    )
+    with pytest.raises(ConfigError) as e:
+        strategy(["strategy=zero2"])
+    assert str(e.value) == "strategy=zero2 needs DeepSpeed: pip install 'dtrain[deepspeed]'"
+
+
+def test_a_native_deepspeed_checkpoint_is_refused_with_what_to_run(tmp_path):
+    from dtrain.checkpoint import CheckpointManager
+
+    (tmp_path / "global_step10").mkdir()
+    (tmp_path / "latest").write_text("global_step10")
+    with pytest.raises(CheckpointError, match="zero_to_fp32.py"):
+        CheckpointManager.read_manifest(tmp_path)
