@@ -27,6 +27,8 @@ class DataConfig:
     vocab_size: int | None = None  # synthetic data only: the vocab of its random tokens
     eval_fraction: float = 0.02  # share of the corpus held out for eval, never trained on
     max_bytes: int | None = None  # cap on the embedded corpus size (None: all of it)
+    # Hugging Face datasets/tokenizers may ship Python code; it runs only if the user opts in.
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -63,6 +65,10 @@ class CheckpointConfig:
     every_n_steps: int = 0  # 0: only at the end / on a signal
     keep_last: int = 3  # 0: keep all
     save_final: bool = True
+    # A save that fails (disk full, unwritable dir): stop the run, or warn and keep training
+    # (the previous complete checkpoint stays the resume point).
+    on_error: str = "stop"  # stop | continue
+    verify: bool = True  # check every file's sha256 against the manifest before loading
 
 
 @dataclass
@@ -81,6 +87,21 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     progress_bar: bool = True
     device: str = "auto"  # auto | cpu | cuda
+    # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
+    # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
+    on_nonfinite: str = "stop"  # skip | stop
+    # Signals that mean "save a checkpoint and exit 0" (preemption; Slurm's --signal=USR1@90).
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # A collective that waits longer than this names the missing rank and stops the run.
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests; every default is off."""
+
+    inject_nonfinite_at_step: int | None = None  # make the loss NaN at this (1-based) step
+    inject_nonfinite_rank: int | None = None  # only on this rank (None: every rank)
 
 
 @dataclass
@@ -102,6 +123,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1337
     resume: str = "auto"  # auto | never | <path to a checkpoint folder>
     run_dir: str = "outputs/run"
@@ -263,10 +285,68 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    validate_reliability(cfg)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
             "choose auto, never, or the path of a checkpoints/step_NNNNNNN folder"
+        )
+
+
+ON_ERROR_CHOICES = ("stop", "continue")
+ON_NONFINITE_CHOICES = ("skip", "stop")
+
+
+def validate_reliability(cfg: TrainConfig) -> None:
+    """Checks of the fault-handling keys (checkpoint.on_error, trainer.on_nonfinite, ...)."""
+    import signal
+
+    t = cfg.trainer
+    if cfg.checkpoint.on_error not in ON_ERROR_CHOICES:
+        raise ConfigError(
+            f"checkpoint.on_error={cfg.checkpoint.on_error!r} is not valid; "
+            f"choose {' or '.join(ON_ERROR_CHOICES)}"
+        )
+    if t.on_nonfinite not in ON_NONFINITE_CHOICES:
+        raise ConfigError(
+            f"trainer.on_nonfinite={t.on_nonfinite!r} is not valid; "
+            f"choose {' or '.join(ON_NONFINITE_CHOICES)}"
+        )
+    valid = sorted(s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP"))
+    for name in t.stop_signals:
+        if name not in valid:
+            raise ConfigError(
+                f"trainer.stop_signals: {name!r} is not a signal this process can catch; "
+                f"valid names: {', '.join(valid)}"
+            )
+    if not t.collective_timeout_s > 0:
+        raise ConfigError(f"trainer.collective_timeout_s must be > 0, got {t.collective_timeout_s}")
+    d = cfg.debug
+    _positive(d.inject_nonfinite_at_step, "debug.inject_nonfinite_at_step")
+    _positive(d.inject_nonfinite_rank, "debug.inject_nonfinite_rank", allow_zero=True)
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """The run dir must be creatable and writable, checked without writing anything.
+
+    Root ignores permission bits, so this walks up to the nearest existing ancestor and asks
+    access(2), which still reports read-only file systems; a file in the way is caught too.
+    """
+    import os
+
+    path = Path(run_dir).absolute()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"run dir {run_dir} cannot be created: {probe} is a file, not a directory; "
+            "choose another hydra.run.dir"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"run dir {run_dir} is not writable ({probe} is read-only or not ours); "
+            "choose another hydra.run.dir"
         )
 
 
@@ -348,6 +428,7 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
     if any(a.startswith("-") for a in argv):
         return None
     cfg = compose(list(argv))
+    check_run_dir(cfg.run_dir)
     if cfg.resume not in RESUME_CHOICES:
         from dtrain.checkpoint import CheckpointManager
 
