@@ -126,7 +126,22 @@ class CheckpointMismatchError(CheckpointError):
     """A checkpoint of another run (model, data, ...): resume=auto must not skip past it."""
 
 
-def _describe_save_error(e: BaseException) -> str | None:
+def _free_bytes(path: Path) -> int | None:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+# Below this, a failed write is put down to a full disk: PyTorch's zip writer reports ENOSPC
+# as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...".
+FULL_DISK_BYTES = 16 << 20
+
+
+def _describe_save_error(e: BaseException, folder: Path) -> str | None:
     """An OS-level cause of a failed save as one line, or None if `e` is a bug (re-raise)."""
     if isinstance(e, OSError):
         return str(e)
@@ -136,6 +151,12 @@ def _describe_save_error(e: BaseException) -> str | None:
             inner = getattr(exc, "exc", exc)
             if isinstance(inner, OSError):
                 return f"{inner} (rank {rank})"
+    free = _free_bytes(folder)
+    if free is not None and free < FULL_DISK_BYTES:
+        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        return (
+            f"No space left on device ({free} bytes free under {folder}; the writer said: {first})"
+        )
     return None
 
 
@@ -255,7 +276,7 @@ class CheckpointManager:
                 mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
                 result = {p.name: (sha256_file(p), p.stat().st_size) for p in mine}
             except (Exception, CheckpointException) as e:  # the latter is a BaseException
-                why = _describe_save_error(e)
+                why = _describe_save_error(e, partial)
                 if why is None:
                     raise
                 result = f"{why} (rank {self.rank})" if "(rank " not in why else why
@@ -314,10 +335,10 @@ class CheckpointManager:
             return
         complete = list_complete(self.root)
         for _, path in complete[: -self.cfg.keep_last]:
-            faults.point("ckpt.prune")
             doomed = path.with_name(path.name + ".deleting")
             try:
                 os.replace(path, doomed)
+                faults.point("ckpt.prune")
                 shutil.rmtree(doomed)
             except OSError as e:  # a full disk must not turn a good save into a failure
                 log.warning("could not remove old checkpoint %s: %s", path, e)

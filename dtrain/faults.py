@@ -39,7 +39,7 @@ POINTS = (
     "ckpt.save.after_manifest",  # manifest.json written, no COMPLETE marker
     "ckpt.save.after_marker",  # COMPLETE written, still named .partial
     "ckpt.save.after_rename",  # renamed to step_NNNNNNN, older ones not yet pruned
-    "ckpt.prune",  # between deleting two old checkpoints
+    "ckpt.prune",  # an old checkpoint renamed to .deleting, not yet removed
     "train.step",  # start of an optimizer step
 )
 ACTIONS = ("kill", "stop", "enospc", "eacces", "erofs", "eio")
