@@ -321,6 +321,7 @@ def validate_reliability(cfg: TrainConfig) -> None:
             )
     if not t.collective_timeout_s > 0:
         raise ConfigError(f"trainer.collective_timeout_s must be > 0, got {t.collective_timeout_s}")
+    _positive(cfg.data.max_bytes, "data.max_bytes")
     d = cfg.debug
     _positive(d.inject_nonfinite_at_step, "debug.inject_nonfinite_at_step")
     _positive(d.inject_nonfinite_rank, "debug.inject_nonfinite_rank", allow_zero=True)

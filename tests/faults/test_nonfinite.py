@@ -40,6 +40,8 @@ def _flat(ckpt, tmp_path) -> dict:
 def _assert_same_state(a, b):
     assert a.keys() == b.keys()
     for k in a:
+        if k.endswith(".lr"):  # set from the pure schedule before every step: not state
+            continue
         if isinstance(a[k], torch.Tensor):
             assert torch.equal(a[k], b[k]), k
         else:
