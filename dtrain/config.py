@@ -133,6 +133,8 @@ class TrainConfig:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (list, tuple):
+        return "a list"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args:
         return " or ".join(_type_name(a) for a in args)

@@ -34,7 +34,7 @@ CATALOGUE = [
     (["trainer.progress_bar=maybe"], "trainer.progress_bar must be true/false, got 'maybe'"),
     (["optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
     (["model.n_layer=[1,2]"], "model.n_layer must be an integer, got [1, 2]"),
-    (["trainer.stop_signals=SIGTERM"], "trainer.stop_signals must be list, got 'SIGTERM'"),
+    (["trainer.stop_signals=SIGTERM"], "trainer.stop_signals must be a list, got 'SIGTERM'"),
     (["seed=abc"], "seed must be an integer, got 'abc'"),
     (["checkpoint.keep_last=true"], "checkpoint.keep_last must be an integer, got True"),
     (["trainer.collective_timeout_s=soon"], "trainer.collective_timeout_s must be a number"),
@@ -76,7 +76,10 @@ CATALOGUE = [
     # data and tokenizer
     (["data=synthetic", "data.vocab_size=1"], "data.vocab_size must be >= 2 for synthetic data"),
     (["data.tokenizer=gpt2"], "unknown data.tokenizer 'gpt2'; valid choices: byte"),
-    (["data.max_bytes=100"], "is too small to hold out"),
+    (
+        ["data.max_bytes=1", "model.max_seq_len=4096", "trainer.seq_len=4096"],
+        "is too small to hold out",
+    ),
     (["data.max_bytes=-5"], "data.max_bytes must be > 0, got -5"),
     # optimizer and device, checked when built
     (["optim.name=sgd"], "unknown optimizer 'sgd'; valid choices: adamw"),
@@ -92,7 +95,10 @@ CATALOGUE = [
     (["resume={badmanifest}"], "unreadable manifest.json"),
     (["resume={ckpt}", "model.n_layer=3"], "was saved with model.n_layer=4 but this run has"),
     (["resume={ckpt}", "trainer.seq_len=32"], "was saved with trainer.seq_len=64"),
-    (["resume={ckpt}", "data=synthetic"], "was saved with data.source='embedded'"),
+    (
+        ["resume={ckpt}", "data=synthetic", "data.vocab_size=257"],
+        "was saved with data.source='embedded' but this run has data.source='synthetic'",
+    ),
     (["hydra.run.dir={saved}", "model.d_model=128"], "was saved with model.d_model=64"),
     # the run dir
     (["hydra.run.dir={tmp}/a_file/run"], "is a file, not a directory; choose another"),
@@ -143,8 +149,12 @@ def invoke(argv: list[str]) -> str:
     raise AssertionError(f"accepted: {argv}")
 
 
+def _args(case) -> list[str]:
+    return case.values[0] if hasattr(case, "values") else case[0]  # pytest.param or tuple
+
+
 def _ids(case):
-    return " ".join(case[0] if isinstance(case, tuple) else case.values[0])
+    return " ".join(_args(case))
 
 
 @pytest.mark.parametrize("args,message", CATALOGUE, ids=[_ids(c) for c in CATALOGUE])
@@ -162,7 +172,7 @@ def test_catalogue_is_at_least_40_cases_and_none_repeats_test_cli():
 
     assert len(CATALOGUE) >= 40
     theirs = {tuple(a) for a, _ in BAD}
-    ours = [tuple(c[0] if isinstance(c, tuple) else c.values[0]) for c in CATALOGUE]
+    ours = [tuple(_args(c)) for c in CATALOGUE]
     assert not theirs & set(ours) and len(set(ours)) == len(ours)
 
 
@@ -193,7 +203,7 @@ SUBPROCESS = [
     ["optim=sgd"],
     ["trainer.seq_len=1.5"],
     ["trainer.on_nonfinite=ignore"],
-    ["data.max_bytes=100"],
+    ["data.max_bytes=1", "model.max_seq_len=4096", "trainer.seq_len=4096"],
     ["resume={corrupt}"],
     ["resume={ckpt}", "model.n_layer=3"],
     ["hydra.run.dir={tmp}/a_file/run"],
@@ -202,7 +212,7 @@ SUBPROCESS = [
 
 @pytest.mark.parametrize("args", SUBPROCESS, ids=[" ".join(a) for a in SUBPROCESS])
 def test_representative_cases_as_real_processes(world, tmp_path, args):
-    message = next(m for c, m in (c for c in CATALOGUE if isinstance(c, tuple)) if c == args)
+    message = next(c[1] for c in CATALOGUE if not hasattr(c, "values") and c[0] == args)
     before = snapshot(world["tmp"])
     res = launch(*_fill(args, world, tmp_path))
     assert res.returncode == 2, res.stderr[-3000:]
