@@ -235,6 +235,7 @@ class CheckpointManager:
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int):
         self.root = Path(run_dir) / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._verified: set[Path] = set()  # checked by find_resumable: not hashed twice
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
@@ -370,9 +371,10 @@ class CheckpointManager:
 
         path = Path(path)
         manifest = self.read_manifest(path)
-        if self.cfg.verify:
-            verify(path, manifest, self.rank, self.world_size)
-        check_metadata(path)
+        if path not in self._verified:
+            if self.cfg.verify:
+                verify(path, manifest, self.rank, self.world_size)
+            check_metadata(path)
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # DCP wraps each rank's error
@@ -419,6 +421,7 @@ class CheckpointManager:
                         "%s; %s", e, f"falling back to {nxt}" if nxt else "no older checkpoint"
                     )
                 continue
+            self._verified.add(path)
             return path, manifest
         if not found:
             return None

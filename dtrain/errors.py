@@ -28,6 +28,7 @@ class FaultError(Exception):
     gradients with trainer.on_nonfinite=stop): one line naming it, exit code 3."""
 
     exit_code = 3
+    every_rank = False  # True when ranks see different things (a hang): each one reports
 
 
 def fail(err: UserError | FaultError, rank0_only: bool = True) -> None:

@@ -113,7 +113,9 @@ class Heartbeat:
         )
 
     def timeout_error(self, e: BaseException) -> FaultError:
-        return FaultError(self.diagnose())
+        err = FaultError(self.diagnose())
+        err.every_rank = True  # rank 0 may be the one that hung: every survivor speaks
+        return err
 
     def close(self) -> None:
         self._stop.set()

@@ -29,8 +29,8 @@ def main(dcfg: DictConfig) -> None:
 
     try:
         run(from_dictconfig(dcfg))
-    except FaultError as e:  # every rank that saw it says so (each names what it saw)
-        fail(e, rank0_only=False)
+    except FaultError as e:
+        fail(e, rank0_only=not e.every_rank)
     except UserError as e:
         fail(e)
 
