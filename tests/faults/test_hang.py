@@ -38,7 +38,7 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path):
     text = "".join(lines)
     assert t_error is not None, text[-3000:]
     error = [ln for ln in lines if ln.startswith("error: ")][0]
-    assert re.search(r"rank 1 \(host \S+, pid \d+\) silent for \d+ s since step 2", error), error
+    assert re.search(r"rank 1 \(host \S+, pid \d+\) silent for \d+ s since step [12]", error), error
     assert "trainer.collective_timeout_s" in error and "Traceback" not in text
     # Reported within the timeout (plus a heartbeat interval and slack for a busy machine).
     assert t_error - t_step2 < TIMEOUT_S + 20, t_error - t_step2
