@@ -33,7 +33,24 @@ baselines() {
       > $OUT/fabric_$f.log 2>&1; tail -1 $OUT/fabric_$f.log
   done
 }
+plain() {  # $1 = wrapper of bench/plain_loop.py
+  $TR bench/plain_loop.py --model $MODEL --wrapper $1 --out $OUT/plain_$1.json 2>&1 | tail -1
+}
+deepspeed_plain() {  # $1 = stage
+  $TR bench/deepspeed_loop.py --model $MODEL --stage $1 --out $OUT/deepspeed_zero$1.json \
+    > $OUT/deepspeed_zero$1.log 2>&1; tail -1 $OUT/deepspeed_zero$1.log
+}
+fabric() {  # $1 = Fabric strategy
+  $TR bench/fabric_loop.py --model $MODEL --strategy $1 --out $OUT/fabric_$1.json \
+    > $OUT/fabric_$1.log 2>&1; tail -1 $OUT/fabric_$1.log
+}
+# DeepSpeed's FusedAdam JIT build fails with the box's default TORCH_CUDA_ARCH_LIST=9.0a.
+export TORCH_CUDA_ARCH_LIST=9.0
 case "${1:-all}" in
+  # The full set in two calls of under 10 minutes each (the device's per-command limit).
+  part1) plain ddp; dtrain ddp; plain fsdp; dtrain fsdp; dtrain zero2; dtrain zero3 ;;
+  part2) deepspeed_plain 2; deepspeed_plain 3; for f in ddp fsdp deepspeed_stage_2; do fabric $f; done
+         dtrain zero1 ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;

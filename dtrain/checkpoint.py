@@ -11,14 +11,23 @@ Layout of one checkpoint (torch.distributed.checkpoint, one shard file per rank)
 
 A checkpoint is written under `step_NNNNNNN.partial/` and renamed to `step_NNNNNNN/` only after
 every rank has finished and the manifest and marker are on disk: a crash at any point leaves
-either the previous checkpoint set or a `.partial` folder that discovery ignores.
+either the previous checkpoint set or a `.partial` folder that discovery ignores. Old ones are
+pruned (renamed to `.deleting`, then removed) only after a newer one is complete.
+
+Loading trusts nothing on disk: every file's sha256 is checked against the manifest (a
+truncated or altered shard is named), DCP's pickled `.metadata` is first read by an unpickler
+that only admits DCP's own metadata classes, and `extra_rank*.pt` is read with
+`torch.load(weights_only=True)`. No code in a checkpoint runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -33,6 +42,8 @@ from dtrain.errors import CheckpointError
 
 # DCP warns on every save/load without a process group; a single process is intended there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+
+log = logging.getLogger("dtrain")
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -107,69 +118,244 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, unwritable folder, ...); nothing was marked complete."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another run (model, data, ...): resume=auto must not skip past it."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+# Below this, a failed write is put down to a full disk: PyTorch's zip writer reports ENOSPC
+# as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...".
+FULL_DISK_BYTES = 16 << 20
+
+
+def _describe_save_error(e: BaseException, folder: Path) -> str | None:
+    """An OS-level cause of a failed save as one line, or None if `e` is a bug (re-raise)."""
+    if isinstance(e, OSError):
+        return str(e)
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    if isinstance(failures, dict):
+        for rank, exc in sorted(failures.items()):
+            inner = getattr(exc, "exc", exc)
+            if isinstance(inner, OSError):
+                return f"{inner} (rank {rank})"
+    free = _free_bytes(folder)
+    if free is not None and free < FULL_DISK_BYTES:
+        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        return (
+            f"No space left on device ({free} bytes free under {folder}; the writer said: {first})"
+        )
+    return None
+
+
+# What DCP's .metadata may contain; anything else in it is refused before DCP unpickles it.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        ok = (module, name) in _SAFE_GLOBALS
+        ok = ok or (module in _DCP_MODULES and not name.startswith("__"))
+        ok = ok or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not ok:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+        obj = super().find_class(module, name)
+        if module in _DCP_MODULES and not isinstance(obj, type):
+            if not (module.endswith("metadata") and name == "_MEM_FORMAT_ENCODING"):
+                raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+        return obj
+
+
+def check_metadata(path: Path) -> None:
+    """Read DCP's pickled .metadata with an allow-list unpickler (DCP itself uses pickle.load)."""
+    meta = Path(path) / ".metadata"
+    try:
+        _MetadataUnpickler(io.BytesIO(meta.read_bytes())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: .metadata is missing") from None
+    except Exception as e:  # any unpickling failure: refuse, naming the file
+        raise CheckpointError(
+            f"checkpoint {path}: .metadata is not a plain DCP index, refused to load it ({e})"
+        ) from None
+
+
+def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> None:
+    """Check every file against the manifest's sha256 (and size); collective under torchrun.
+
+    Rank r hashes every world_size-th file, so a checkpoint is read once in all, not once
+    per rank; every rank then sees the same verdict.
+    """
+    files = manifest.get("files")
+    bad = None
+    if not isinstance(files, dict) or not files:
+        bad = f"{MANIFEST} lists no files to check"
+    else:
+        sizes = manifest.get("sizes", {})
+        for name in sorted(files)[rank::world_size]:
+            f = Path(path) / name
+            if "/" in name or name in ("..", "."):
+                bad = f"{MANIFEST} names a file outside the checkpoint: {name!r}"
+            elif not f.is_file():
+                bad = f"{name} is missing"
+            elif name in sizes and f.stat().st_size != sizes[name]:
+                got = f.stat().st_size
+                bad = f"{name} is truncated or padded ({got} bytes, expected {sizes[name]})"
+            elif sha256_file(f) != files[name]:
+                bad = f"{name} is corrupt (sha256 differs from {MANIFEST})"
+            if bad:
+                break
+    # world_size 1: a single-process check (also rank 0 deciding alone for all ranks).
+    verdicts = ddist.all_gather_object(bad) if world_size > 1 else [bad]
+    first = next((v for v in verdicts if v), None)
+    if first:
+        raise CheckpointError(f"checkpoint {path}: {first}")
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int):
         self.root = Path(run_dir) / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._verified: set[Path] = set()  # checked by find_resumable: not hashed twice
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
 
     # --- save --------------------------------------------------------------------------
     def save(self, step: int, state: dict, manifest: dict) -> Path:
-        """Save `state` (DCP state dict) at `step`. Collective: every rank calls it."""
+        """Save `state` (DCP state dict) at `step`. Collective: every rank calls it.
+
+        An OS error on any rank (disk full, read-only or vanished folder) becomes a
+        CheckpointSaveError on every rank, after the .partial folder is removed; the
+        previous complete checkpoint is untouched. Other exceptions are bugs and propagate.
+        """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         final = self.root / step_dir_name(step)
         partial = self.root / (step_dir_name(step) + ".partial")
+        err = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left by a crash: never part of a complete checkpoint
-                shutil.rmtree(partial)
-            partial.mkdir()
-        ddist.barrier()
-        dcp.save(state, checkpoint_id=str(partial))
-        faults.point("ckpt.save.after_dcp", step=step)  # shards on disk, not yet complete
-        extra_path = partial / f"extra_rank{self.rank}.pt"
-        torch.save({"rng": rng_state()}, extra_path)
-        # Each rank hashes the files it wrote; rank 0 gathers them into the manifest.
-        mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
-        hashes = {p.name: sha256_file(p) for p in mine}
-        all_hashes = ddist.all_gather_object(hashes)
-        if self.rank == 0:
-            faults.point("ckpt.save.after_hash", step=step)
-            files = {}
-            for h in all_hashes:
-                files.update(h)
-            if (partial / ".metadata").exists():
-                files[".metadata"] = sha256_file(partial / ".metadata")
-            manifest = {**manifest, "step": step, "world_size": self.world_size, "files": files}
-            _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-            _write_atomic(partial / MARKER, "ok\n")
-            if final.exists():  # an older save of the same step (e.g. rerun): replace it
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.root)
-            self._prune()
-        ddist.barrier()
+            try:
+                faults.point("ckpt.save.begin", step=step)
+                self.root.mkdir(parents=True, exist_ok=True)
+                if partial.exists():  # left by a crash: never part of a complete checkpoint
+                    shutil.rmtree(partial)
+                partial.mkdir()
+            except OSError as e:
+                err = f"{e}"
+        err = ddist.broadcast_object(err)  # also the barrier before anyone writes
+        result: dict | str = {}
+        if err is None:
+            try:
+                faults.point("ckpt.save.after_mkdir", step=step)
+                dcp.save(state, checkpoint_id=str(partial))
+                faults.point("ckpt.save.after_dcp", step=step)
+                extra_path = partial / f"extra_rank{self.rank}.pt"
+                torch.save({"rng": rng_state()}, extra_path)
+                faults.point("ckpt.save.after_extra", step=step)
+                # Each rank hashes the files it wrote; rank 0 gathers them into the manifest.
+                mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
+                result = {p.name: (sha256_file(p), p.stat().st_size) for p in mine}
+            except (Exception, CheckpointException) as e:  # the latter is a BaseException
+                why = _describe_save_error(e, partial)
+                if why is None:
+                    raise
+                result = f"{why} (rank {self.rank})" if "(rank " not in why else why
+        gathered = ddist.all_gather_object(result if err is None else err)
+        err = err or next((g for g in gathered if isinstance(g, str)), None)
+        if self.rank == 0 and err is None:
+            try:
+                faults.point("ckpt.save.after_hash", step=step)
+                files = {}
+                for g in gathered:
+                    files.update(g)
+                if (partial / ".metadata").exists():
+                    meta = partial / ".metadata"
+                    files[".metadata"] = (sha256_file(meta), meta.stat().st_size)
+                manifest = {
+                    **manifest,
+                    "step": step,
+                    "world_size": self.world_size,
+                    "files": {k: v[0] for k, v in files.items()},
+                    "sizes": {k: v[1] for k, v in files.items()},
+                }
+                _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+                faults.point("ckpt.save.after_manifest", step=step)
+                _write_atomic(partial / MARKER, "ok\n")
+                faults.point("ckpt.save.after_marker", step=step)
+                if final.exists():  # an older save of the same step (e.g. rerun): replace it
+                    shutil.rmtree(final)
+                os.replace(partial, final)
+                _fsync_dir(self.root)
+            except OSError as e:
+                err = str(e)
+            if err is None:
+                faults.point("ckpt.save.after_rename", step=step)
+                self._prune()
+        err = ddist.broadcast_object(err)
+        if err is not None:
+            if self.rank == 0:  # nothing half-written stays behind, and nothing is complete
+                shutil.rmtree(partial, ignore_errors=True)
+            latest = latest_complete(self.root)
+            raise CheckpointSaveError(
+                f"checkpoint {final.name} could not be saved: {err}; nothing was marked "
+                f"complete; the newest complete checkpoint is "
+                f"{latest.name if latest else 'none'}"
+            )
         return final
 
     def _prune(self) -> None:
         """Keep the newest keep_last complete checkpoints; called only after a new one is
-        complete, so the last complete checkpoint is never deleted before its successor."""
+        complete, so the last complete checkpoint is never deleted before its successor.
+
+        Each victim is first renamed to `.deleting` (atomic), so a crash in the middle of
+        removing it never leaves a half-deleted folder that still looks complete."""
         # A .partial folder here is left by a save that died (saves never overlap): drop it.
         for stale in self.root.glob("step_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
+        for leftover in self.root.glob("step_*.deleting"):
+            shutil.rmtree(leftover, ignore_errors=True)
         if self.cfg.keep_last <= 0:
             return
         complete = list_complete(self.root)
         for _, path in complete[: -self.cfg.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            doomed = path.with_name(path.name + ".deleting")
+            try:
+                os.replace(path, doomed)
+                faults.point("ckpt.prune")
+                shutil.rmtree(doomed)
+            except OSError as e:  # a full disk must not turn a good save into a failure
+                log.warning("could not remove old checkpoint %s: %s", path, e)
 
     # --- load --------------------------------------------------------------------------
     @staticmethod
     def read_manifest(path: Path) -> dict:
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(
+                f"checkpoint {path} is a file; a checkpoint is a checkpoints/step_NNNNNNN folder"
+            )
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist")
         if (path / "latest").is_file() or any(path.glob("global_step*")):
@@ -193,15 +379,66 @@ class CheckpointManager:
     def load(self, path: Path, state: dict) -> dict:
         """Load into `state` (a DCP state dict template) in place; return the manifest."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         path = Path(path)
         manifest = self.read_manifest(path)
+        if path not in self._verified:
+            if self.cfg.verify:
+                verify(path, manifest, self.rank, self.world_size)
+            check_metadata(path)
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # DCP raises CheckpointException wrapping each rank's error
+        except (Exception, CheckpointException) as e:  # DCP wraps each rank's error
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
         extra = path / f"extra_rank{self.rank}.pt"
         if manifest.get("world_size") == self.world_size and extra.exists():
-            set_rng_state(torch.load(extra, weights_only=True)["rng"])
+            try:  # weights_only: tensors and plain containers, never arbitrary objects
+                rng = torch.load(extra, weights_only=True)["rng"]
+            except Exception as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CheckpointError(
+                    f"checkpoint {path}: {extra.name} holds more than tensors, refused to "
+                    f"unpickle it ({first})"
+                ) from None
+            set_rng_state(rng)
         return manifest
+
+    def find_resumable(self, accept=None) -> tuple[Path, dict] | None:
+        """resume=auto: the newest complete checkpoint that passes verification.
+
+        A corrupt one is skipped with a warning naming the bad file, and the previous one is
+        tried. `accept(path, manifest)` may raise CheckpointError to stop the search (e.g. a
+        checkpoint of another model: falling back would silently resume the wrong run).
+        None if there is no complete checkpoint; CheckpointError if none is intact.
+        """
+        found = list_complete(self.root)
+        problems = []
+        for i, (_, path) in enumerate(reversed(found)):
+            try:
+                manifest = self.read_manifest(path)
+                if accept is not None:
+                    accept(path, manifest)
+                if self.cfg.verify:
+                    verify(path, manifest, self.rank, self.world_size)
+                check_metadata(path)
+            except CheckpointMismatchError:
+                raise
+            except CheckpointError as e:
+                problems.append(str(e))
+                if self.rank == 0:
+                    nxt = found[-2 - i][1].name if i + 1 < len(found) else None
+                    log.warning(
+                        "%s; %s", e, f"falling back to {nxt}" if nxt else "no older checkpoint"
+                    )
+                continue
+            self._verified.add(path)
+            return path, manifest
+        if not found:
+            return None
+        raise CheckpointError(
+            f"no intact checkpoint in {self.root}: "
+            + " | ".join(problems)
+            + "; move the bad ones away, or start a new run dir"
+        )

@@ -42,6 +42,8 @@ class DataConfig:
     shuffle_window: int = 1024  # records shuffled together (per stream, reshuffled per epoch)
     bpe_train_bytes: int = 100_000_000  # text read to train data.tokenizer=bpe
     cache_dir: str | None = None  # trained tokenizers (null: $DTRAIN_CACHE or ~/.cache/dtrain)
+    # Hugging Face datasets/tokenizers may ship Python code; it runs only if the user opts in.
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -87,6 +89,10 @@ class CheckpointConfig:
     every_n_steps: int = 0  # 0: only at the end / on a signal
     keep_last: int = 3  # 0: keep all
     save_final: bool = True
+    # A save that fails (disk full, unwritable dir): stop the run, or warn and keep training
+    # (the previous complete checkpoint stays the resume point).
+    on_error: str = "stop"  # stop | continue
+    verify: bool = True  # check every file's sha256 against the manifest before loading
 
 
 @dataclass
@@ -105,6 +111,21 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     progress_bar: bool = True
     device: str = "auto"  # auto | cpu | cuda
+    # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
+    # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
+    on_nonfinite: str = "stop"  # skip | stop
+    # Signals that mean "save a checkpoint and exit 0" (preemption; Slurm's --signal=USR1@90).
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # A collective that waits longer than this names the missing rank and stops the run.
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests; every default is off."""
+
+    inject_nonfinite_at_step: int | None = None  # make the loss NaN at this (1-based) step
+    inject_nonfinite_rank: int | None = None  # only on this rank (None: every rank)
 
 
 @dataclass
@@ -162,6 +183,7 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1337
     resume: str = "auto"  # auto | never | <path to a checkpoint folder>
     run_dir: str = "outputs/run"
@@ -171,6 +193,8 @@ class TrainConfig:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (list, tuple):
+        return "a list"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args:
         return " or ".join(_type_name(a) for a in args)
@@ -326,6 +350,7 @@ def validate(cfg: TrainConfig) -> None:
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
     _validate_strategy(cfg.strategy)
+    validate_reliability(cfg)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
@@ -367,6 +392,63 @@ def _validate_strategy(s: StrategyConfig) -> None:
     _positive(s.bucket_cap_mb, "strategy.bucket_cap_mb")
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
+
+ON_ERROR_CHOICES = ("stop", "continue")
+ON_NONFINITE_CHOICES = ("skip", "stop")
+
+
+def validate_reliability(cfg: TrainConfig) -> None:
+    """Checks of the fault-handling keys (checkpoint.on_error, trainer.on_nonfinite, ...)."""
+    import signal
+
+    t = cfg.trainer
+    if cfg.checkpoint.on_error not in ON_ERROR_CHOICES:
+        raise ConfigError(
+            f"checkpoint.on_error={cfg.checkpoint.on_error!r} is not valid; "
+            f"choose {' or '.join(ON_ERROR_CHOICES)}"
+        )
+    if t.on_nonfinite not in ON_NONFINITE_CHOICES:
+        raise ConfigError(
+            f"trainer.on_nonfinite={t.on_nonfinite!r} is not valid; "
+            f"choose {' or '.join(ON_NONFINITE_CHOICES)}"
+        )
+    valid = sorted(s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP"))
+    for name in t.stop_signals:
+        if name not in valid:
+            raise ConfigError(
+                f"trainer.stop_signals: {name!r} is not a signal this process can catch; "
+                f"valid names: {', '.join(valid)}"
+            )
+    if not t.collective_timeout_s > 0:
+        raise ConfigError(f"trainer.collective_timeout_s must be > 0, got {t.collective_timeout_s}")
+    _positive(cfg.data.max_bytes, "data.max_bytes")
+    d = cfg.debug
+    _positive(d.inject_nonfinite_at_step, "debug.inject_nonfinite_at_step")
+    _positive(d.inject_nonfinite_rank, "debug.inject_nonfinite_rank", allow_zero=True)
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """The run dir must be creatable and writable, checked without writing anything.
+
+    Root ignores permission bits, so this walks up to the nearest existing ancestor and asks
+    access(2), which still reports read-only file systems; a file in the way is caught too.
+    """
+    import os
+
+    path = Path(run_dir).absolute()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"run dir {run_dir} cannot be created: {probe} is a file, not a directory; "
+            "choose another hydra.run.dir"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"run dir {run_dir} is not writable ({probe} is read-only or not ours); "
+            "choose another hydra.run.dir"
+        )
 
 
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:
@@ -447,6 +529,7 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
     if any(a.startswith("-") for a in argv):
         return None
     cfg = compose(list(argv))
+    check_run_dir(cfg.run_dir)
     if cfg.resume not in RESUME_CHOICES:
         from dtrain.checkpoint import CheckpointManager
 

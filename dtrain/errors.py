@@ -23,7 +23,15 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete, corrupt or belongs to another run."""
 
 
-def fail(err: UserError, rank0_only: bool = True) -> None:
+class FaultError(Exception):
+    """The run stopped because something failed at run time (a rank hung, non-finite
+    gradients with trainer.on_nonfinite=stop): one line naming it, exit code 3."""
+
+    exit_code = 3
+    every_rank = False  # True when ranks see different things (a hang): each one reports
+
+
+def fail(err: UserError | FaultError, rank0_only: bool = True) -> None:
     """Print `error: <one line>` on stderr (rank 0 only under torchrun) and exit with code 2."""
     import os
     import sys

@@ -1,22 +1,26 @@
-"""Fault injection for tests: kill (or stop, or fail) one rank at a named point of a chosen step.
+"""Fault injection for the reliability suite (tests/faults/, docs/reliability.md).
 
-The grammar and the points are shared with the reliability suite (docs/reliability.md); this
-module adds what elastic-restart tests need on top: `%<attempt>` fires only on that torchrun
-restart attempt (TORCHELASTIC_RESTART_COUNT, 0 on the first run), so the restarted group, which
-replays the same steps, does not fail again.
+Injection points live in the code paths they test and cost one dict lookup when unused:
 
     faults.point("ckpt.save.after_dcp", step=step)
 
 does nothing unless the environment variable DTRAIN_FAULT names that point:
 
-    DTRAIN_FAULT="train.step=kill@1#5%0"         SIGKILL rank 1 as step 5 starts, first run only
-    DTRAIN_FAULT="ckpt.save.after_dcp=kill@0#4"  SIGKILL rank 0 mid-save of step 4 (shards on disk,
-                                                 checkpoint not complete)
+    DTRAIN_FAULT="ckpt.save.after_dcp=kill@1"     SIGKILL rank 1 when it gets there
+    DTRAIN_FAULT="ckpt.save.begin=enospc#4"       raise OSError(ENOSPC) in the save of step 4
+    DTRAIN_FAULT="train.step=stop@1#3"            SIGSTOP rank 1 at step 3 (a hung rank)
+    DTRAIN_FAULT="train.step=kill@1#5%0"          SIGKILL rank 1 at step 5, first attempt only
 
-Grammar: `<point>=<action>[@<rank>][#<step>][%<attempt>]`, several joined by commas. Actions:
-kill, stop (signals to this process), enospc, eacces, erofs, eio (an OSError as the OS would
-raise it). An environment variable rather than a config key, so a test can arm one rank of a
-torchrun job and the point can sit below the config.
+`%<attempt>` fires only on that torchrun restart attempt (TORCHELASTIC_RESTART_COUNT, 0 on the
+first run), so an elastic restart that replays the same steps does not fail again.
+
+Grammar: `<point>=<action>[@<rank>][#<step>][%<attempt>]`, several joined by commas.
+Actions: kill, stop (signals to this process), enospc, eacces, erofs, eio (an OSError as the
+OS would raise it).
+An environment variable rather than a config key, so that a kill point can sit anywhere
+(including below the config) and a test can arm one rank of a torchrun job.
+
+Config-driven injection for the loop (`debug.inject_nonfinite_at_step`) is NonfiniteInjector.
 """
 
 from __future__ import annotations
@@ -27,13 +31,22 @@ import signal
 import sys
 from dataclasses import dataclass
 
+import torch
+
 ENV = "DTRAIN_FAULT"
 
 # Every point in the code, so a test (and the docs) can list them and a typo fails loudly.
 POINTS = (
-    "ckpt.save.after_dcp",  # model/optimizer shards and .metadata written, not yet complete
-    "ckpt.save.after_hash",  # every rank hashed its files, manifest not yet written (rank 0)
-    "train.step",  # start of an optimizer step (`step` is the 1-based step about to run)
+    "ckpt.save.begin",  # before the .partial folder exists
+    "ckpt.save.after_mkdir",  # .partial exists, nothing written
+    "ckpt.save.after_dcp",  # model/optimizer shards and .metadata written
+    "ckpt.save.after_extra",  # extra_rank{r}.pt written
+    "ckpt.save.after_hash",  # every rank hashed its files, manifest not yet written
+    "ckpt.save.after_manifest",  # manifest.json written, no COMPLETE marker
+    "ckpt.save.after_marker",  # COMPLETE written, still named .partial
+    "ckpt.save.after_rename",  # renamed to step_NNNNNNN, older ones not yet pruned
+    "ckpt.prune",  # an old checkpoint renamed to .deleting, not yet removed
+    "train.step",  # start of an optimizer step
 )
 ACTIONS = ("kill", "stop", "enospc", "eacces", "erofs", "eio")
 _ERRNO = {"enospc": errno.ENOSPC, "eacces": errno.EACCES, "erofs": errno.EROFS, "eio": errno.EIO}
@@ -109,3 +122,31 @@ def point(name: str, *, step: int | None = None) -> None:
         else:
             code = _ERRNO[f.action]
             raise OSError(code, f"{os.strerror(code)} (injected by {ENV} at {name})")
+
+
+class NonfiniteInjector:
+    """debug.inject_nonfinite_at_step: the model's loss becomes NaN at one step.
+
+    A forward hook on the plain module, so every strategy's wrapper (DDP, FSDP, compile)
+    sees the NaN flow through its own backward, exactly as a real overflow would: injected
+    on one rank only, DDP's all-reduce spreads it, which is what the skip must survive.
+    """
+
+    def __init__(self, module: torch.nn.Module, at_step: int, rank: int | None, my_rank: int):
+        self.at_step, self.armed = at_step, False
+        self.handle = None
+        if rank is None or rank == my_rank:
+            self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if self.armed and isinstance(output, torch.Tensor) and output.dim() == 0:
+            return output * float("nan")
+        return output
+
+    def before_step(self, step: int) -> None:
+        """`step` is the 1-based number of the step about to run."""
+        self.armed = step == self.at_step
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()

@@ -17,11 +17,16 @@ from pathlib import Path
 import torch
 
 from dtrain import dist as ddist
-from dtrain import faults
-from dtrain.checkpoint import CheckpointManager, latest_complete
+from dtrain.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    latest_complete,
+)
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
-from dtrain.errors import CheckpointError, ConfigError
+from dtrain.errors import ConfigError, FaultError
+from dtrain.faults import NonfiniteInjector, point
 from dtrain.inspector import Inspector
 from dtrain.memory import (
     TB_LAYOUT,
@@ -40,6 +45,7 @@ from dtrain.metrics import (
     peak_flops,
 )
 from dtrain.model import count_params, flops_per_token
+from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
 from dtrain.profiling import StepProfiler
@@ -81,14 +87,14 @@ class StopSignal:
     an event: waiting for it never stalls the GPU, whose queue already holds step s+1.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # trainer.stop_signals
 
-    def __init__(self, device: torch.device, distributed: bool):
+    def __init__(self, device: torch.device, distributed: bool, signals=SIGNALS):
         self.local = False
         self.device, self.distributed = device, distributed
         self._pending = None
         self._old = {}
-        for s in self.SIGNALS:
+        for s in (signal.Signals[name] for name in signals):
             try:
                 self._old[s] = signal.signal(s, self._handle)
             except ValueError:  # not the main thread (e.g. inside a test harness)
@@ -139,22 +145,26 @@ def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
                 "would overwrite them: use resume=auto to continue, or a new hydra.run.dir"
             )
         return None
-    path = latest if cfg.resume == "auto" else Path(cfg.resume)
-    if path is None:
-        return None
-    manifest = CheckpointManager.read_manifest(path)
-    saved = manifest.get("identity", {})
-    for key, value in run_identity(cfg).items():
-        if key in saved and saved[key] != value:
-            hint = (
-                "choose a new hydra.run.dir for a new run"
-                if cfg.resume == "auto"
-                else "resume it with the config it was trained with"
-            )
-            raise CheckpointError(
-                f"checkpoint {path} was saved with {key}={saved[key]!r} but this run has "
-                f"{key}={value!r}; {hint}"
-            )
+
+    def same_run(path: Path, manifest: dict) -> None:
+        saved = manifest.get("identity", {})
+        for key, value in run_identity(cfg).items():
+            if key in saved and saved[key] != value:
+                hint = (
+                    "choose a new hydra.run.dir for a new run"
+                    if cfg.resume == "auto"
+                    else "resume it with the config it was trained with"
+                )
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} was saved with {key}={saved[key]!r} but this run has "
+                    f"{key}={value!r}; {hint}"
+                )
+
+    if cfg.resume == "auto":  # newest intact one; corrupt ones are skipped, with a warning
+        found = ckpt.find_resumable(accept=same_run)
+        return found[0] if found else None
+    path = Path(cfg.resume)
+    same_run(path, CheckpointManager.read_manifest(path))
     return path
 
 
@@ -249,15 +259,34 @@ def run(cfg: TrainConfig) -> dict:
 
     cls = STRATEGIES.get(cfg.strategy.name)
     env = ddist.init_distributed(
-        cfg.trainer.device, force_group=bool(cls and cls.needs_distributed)
+        cfg.trainer.device,
+        timeout_s=cfg.trainer.collective_timeout_s,
+        force_group=bool(cls and cls.needs_distributed),
     )
+    heartbeat = None
+    if env.distributed:
+        from dtrain.watchdog import Heartbeat
+
+        heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
     try:
-        return _run(cfg, env)
+        return _run(cfg, env, heartbeat=heartbeat)
+    except RuntimeError as e:
+        from dtrain.watchdog import is_timeout
+
+        if heartbeat is None or not is_timeout(e):
+            raise
+        hung = heartbeat.timeout_error(e)
+        heartbeat = None  # a peer is gone: tearing the group down could block too
+        raise hung from None
     finally:
-        ddist.shutdown()
+        if heartbeat is not None:
+            heartbeat.close()
+            ddist.shutdown()
+        elif not env.distributed:
+            ddist.shutdown()
 
 
-def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
+def _run(cfg: TrainConfig, env: ddist.DistEnv, heartbeat=None) -> dict:
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
     if cfg.model.init_from:  # the architecture comes from the directory we start from
@@ -292,7 +321,12 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
     # Every rank must resume from the same checkpoint, and see the folder rank 0 completes.
     check_shared_dir(run_dir, env)
-    resume_path = on_rank0(env, lambda: resolve_resume(cfg, ckpt))
+    # Rank 0 decides alone (a manager of world size 1 verifies without collectives, which
+    # the other ranks, waiting in on_rank0's broadcast, could not join).
+    alone = CheckpointManager(run_dir, cfg.checkpoint, 0, 1)
+    resume_path = on_rank0(env, lambda: resolve_resume(cfg, alone))
+    if resume_path is not None and cfg.resume == "auto" and cfg.checkpoint.verify:
+        ckpt._verified.add(resume_path)  # rank 0 hashed it already: don't read it twice
 
     ddist.seed_everything(cfg.seed)
     strategy.configure(
@@ -349,7 +383,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         run_dir,
     )
 
-    def save(at_step: int) -> None:
+    save_failures: list[int] = []
+
+    def save(at_step: int, final: bool = False) -> None:
         manifest = {
             "identity": run_identity(cfg),
             "data": stream.state_dict(),
@@ -357,7 +393,16 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             "precision": precision.name,
             "config": asdict(cfg),
         }
-        path = ckpt.save(at_step, strategy.state_dict(), manifest)
+        try:
+            path = ckpt.save(at_step, strategy.state_dict(), manifest)
+        except CheckpointSaveError as e:
+            # A final save (end of run, signal, stop) has no later chance: always an error.
+            if cfg.checkpoint.on_error == "stop" or final:
+                raise
+            save_failures.append(at_step)
+            writer.scalars(at_step, {"checkpoint/save_failures": len(save_failures)})
+            log.warning("%s; training continues (checkpoint.on_error=continue)", e)
+            return
         log.info("saved checkpoint %s", path)
 
     def do_eval(at_step: int) -> float:
@@ -370,7 +415,18 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
-    stop = StopSignal(env.device, env.distributed)
+    stop = StopSignal(env.device, env.distributed, t.stop_signals)
+    guard = NonfiniteGuard(t.on_nonfinite, env.device)
+    strategy.nonfinite = guard
+    inject = None
+    if cfg.debug.inject_nonfinite_at_step is not None:
+        inject = NonfiniteInjector(
+            strategy.unwrapped(),
+            cfg.debug.inject_nonfinite_at_step,
+            cfg.debug.inject_nonfinite_rank,
+            env.rank,
+        )
+    skipped_logged = 0
     progress = Progress(t.progress_bar and env.is_main, step, end_step)
     throughput = Throughput()
     eval_history: list[tuple[int, float]] = []
@@ -388,7 +444,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
     profiler.start()
 
     while step < end_step:
-        faults.point("train.step", step=step + 1)
+        point("train.step", step=step + 1)
+        if heartbeat is not None:
+            heartbeat.set_step(step + 1)
+        if inject is not None:
+            inject.before_step(step + 1)
         t_wait = time.perf_counter()
         micro_batches = stream.next_step()
         data_wait += time.perf_counter() - t_wait
@@ -427,6 +487,17 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
             }
             extra = strategy.step_metrics()  # e.g. fp16's overflow_steps and loss_scale
             info.update({k.split("/")[-1]: v for k, v in extra.items()})
+            skipped = guard.count()  # synced with the loss above: free here
+            if skipped > skipped_logged:
+                log.warning(
+                    "%d optimizer update(s) skipped for a non-finite gradient norm so far "
+                    "(trainer.on_nonfinite=%s)",
+                    skipped,
+                    t.on_nonfinite,
+                )
+                skipped_logged = skipped
+            info["nonfinite_skipped"] = skipped
+            writer.scalars(step, {"train/nonfinite_skipped": skipped})
             writer.scalars(
                 step,
                 {
@@ -455,9 +526,21 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         if t.eval_every > 0 and step % t.eval_every == 0 and step != end_step:
             eval_history.append((step, do_eval(step)))
             throughput.restart()
+        bad_step = guard.poll() if t.on_nonfinite == "stop" else None
+        if bad_step is not None:
+            # The bad update was skipped, so the weights now are the last good state.
+            save(step, final=True)
+            progress.close()
+            stop.restore()
+            writer.close()
+            raise FaultError(
+                f"non-finite loss or gradient norm at step {bad_step}: the update was skipped "
+                f"and the last good state saved at step {step} in {ckpt.root}; stopping "
+                "(trainer.on_nonfinite=stop; skip carries on past such steps)"
+            )
         if stop.poll():
             stopped_by_signal = True
-            save(step)
+            save(step, final=True)
             break
         if ckpt.due(step) and step != end_step:
             save(step)
@@ -470,7 +553,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         if (cfg.checkpoint.save_final or step < t.max_steps) and (
             resume_path is None or step > int(manifest["step"])
         ):
-            save(step)  # also at stop_at_step, so the run can be resumed
+            save(step, final=True)  # also at stop_at_step, so the run can be resumed
     progress.close()
     stop.restore()
     writer.close()
@@ -479,6 +562,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv) -> dict:
         "losses": loss_history,
         "evals": eval_history,
         "stopped_by_signal": stopped_by_signal,
+        "nonfinite_skipped": guard.count(),
+        "save_failures": save_failures,
         "n_params": n_params,
         "run_dir": str(run_dir),
     }

@@ -19,7 +19,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from dtrain.config import CONF_DIR, check_overrides  # noqa: E402
-from dtrain.errors import UserError, fail  # noqa: E402
+from dtrain.errors import FaultError, UserError, fail  # noqa: E402
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
@@ -29,6 +29,8 @@ def main(dcfg: DictConfig) -> None:
 
     try:
         run(from_dictconfig(dcfg))
+    except FaultError as e:
+        fail(e, rank0_only=not e.every_rank)
     except UserError as e:
         fail(e)
 

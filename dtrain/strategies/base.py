@@ -104,6 +104,9 @@ class Strategy:
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
+        # dtrain.nonfinite.NonfiniteGuard, set by the loop (trainer.on_nonfinite); with fp16
+        # the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
+        self.nonfinite = None
         self.check()
 
     # --- config-time checks ------------------------------------------------------------
@@ -176,9 +179,13 @@ class Strategy:
             norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if self.loss_scaler is not None:
             self.loss_scaler.step(self.optimizer, norm)  # skipped if a gradient overflowed
+        elif self.nonfinite is not None:  # skips the update if the global norm is NaN/inf
+            self.nonfinite.step(
+                self.optimizer, norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            )
         else:
             self.optimizer.step()
-        if self._state_bytes is None:  # grads and optimizer states all exist right now
+        if self._state_bytes is None and self.optimizer.state:  # grads + states exist now
             self._state_bytes = self.measure_state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,114 @@
+"""Helpers shared by the fault-injection suite (see docs/reliability.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import FAST, LAUNCH, ROOT, cli_env
+
+# A run that saves at steps 2 and 4 quickly, with every step logged.
+SAVES = ["trainer.eval_every=0", "trainer.log_every=1", "checkpoint.every_n_steps=2"]
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under root -> (size, sha256): what "nothing changed" compares."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(root))] = (
+                p.stat().st_size,
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+            )
+    return out
+
+
+def start(*args: str, nproc: int = 1, env_extra: dict | None = None) -> subprocess.Popen:
+    """Start launch/train.py (or torchrun with nproc ranks) without waiting for it."""
+    if nproc == 1:
+        cmd = [sys.executable, str(LAUNCH), *FAST, *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(LAUNCH),
+            *FAST,
+            *args,
+        ]
+    env = cli_env()
+    env.update(env_extra or {})
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below pid (torchrun's workers live in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL proc and everything below it, by pid (only what this test started)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Block until metrics.jsonl records `step` (the run is in its loop)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"run ended early: {proc.returncode}\n{proc.stderr.read()[-3000:]}"
+            )
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def one_error_line(stderr: str) -> str:
+    """The run's error line; asserts it is alone (no traceback) and well formed."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) >= 1, stderr[-3000:]
+    return lines[0]
+
+
+__all__ = ["ROOT", "SAVES", "snapshot", "start", "kill_tree", "descendants", "rank_of"]
