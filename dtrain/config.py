@@ -393,6 +393,7 @@ def _validate_strategy(s: StrategyConfig) -> None:
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
 
+
 ON_ERROR_CHOICES = ("stop", "continue")
 ON_NONFINITE_CHOICES = ("skip", "stop")
 

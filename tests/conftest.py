@@ -57,23 +57,28 @@ def cli_env() -> dict:
     return env
 
 
-def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | None = None):
-    """python launch/train.py (nproc=1) or torchrun --standalone (nproc>1); returns the result."""
+def launch_cmd(args, nproc: int = 1) -> list[str]:
+    """python launch/train.py (nproc=1) or torchrun --standalone (nproc>1) with `args`."""
     if nproc == 1:
-        cmd = [sys.executable, str(LAUNCH), *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(LAUNCH),
-            *args,
-        ]
+        return [sys.executable, str(LAUNCH), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(LAUNCH),
+        *args,
+    ]
+
+
+def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | None = None):
+    """Run launch_cmd(args, nproc) to the end; returns the CompletedProcess."""
     env = cli_env()
     env.update(env_extra or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        launch_cmd(args, nproc), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.conftest import FAST, LAUNCH, ROOT, cli_env
+from tests.conftest import FAST, ROOT, cli_env, launch_cmd
 
 # A run that saves at steps 2 and 4 quickly, with every step logged.
 SAVES = ["trainer.eval_every=0", "trainer.log_every=1", "checkpoint.every_n_steps=2"]
@@ -30,19 +29,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 def start(*args: str, nproc: int = 1, env_extra: dict | None = None) -> subprocess.Popen:
     """Start launch/train.py (or torchrun with nproc ranks) without waiting for it."""
-    if nproc == 1:
-        cmd = [sys.executable, str(LAUNCH), *FAST, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(LAUNCH),
-            *FAST,
-            *args,
-        ]
+    cmd = launch_cmd([*FAST, *args], nproc)
     env = cli_env()
     env.update(env_extra or {})
     return subprocess.Popen(
