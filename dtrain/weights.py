@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.checkpoint import CheckpointManager, latest_complete
+from dtrain.checkpoint import CheckpointManager, check_metadata, latest_complete
 from dtrain.config import DataConfig, ModelConfig
 from dtrain.errors import CheckpointError
 from dtrain.model import GPT, rope_tables
@@ -97,6 +97,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
 
     path = Path(path)
     model_cfg, data_cfg, manifest = checkpoint_configs(path)
+    check_metadata(path)  # DCP unpickles .metadata: refuse one that holds more than its index
     # The weights come from the checkpoint: never re-import the run's starting point.
     model_cfg = dataclasses.replace(model_cfg, init_from=None)
     model = _empty_model(model_cfg, device)
@@ -125,17 +126,18 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
 
 def consolidate(path: str | Path, out_file: str | Path) -> Path:
     """Write a (possibly sharded) DCP checkpoint as one torch.save file: {"model": ..., "optim":
-    ..., "manifest": ...}, loadable with torch.load(weights_only=False) on one process."""
+    ..., "manifest": ...}, loadable with torch.load(weights_only=True) on one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path, out_file = Path(path), Path(out_file)
     manifest = CheckpointManager.read_manifest(path)
+    check_metadata(path)  # DCP unpickles .metadata: refuse one that holds more than its index
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(out_file.name + ".tmp")
     dcp_to_torch_save(str(path), str(tmp))
     # dcp_to_torch_save writes the state alone; the manifest (run config, step) makes the file
     # self-describing. Re-saving costs one more pass, which a one-off export can afford.
-    state = torch.load(tmp, weights_only=False)
+    state = torch.load(tmp, weights_only=True)
     state["manifest"] = manifest
     torch.save(state, tmp)
     tmp.replace(out_file)
