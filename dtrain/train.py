@@ -268,8 +268,11 @@ def run(cfg: TrainConfig) -> dict:
         from dtrain.watchdog import Heartbeat
 
         heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
+    # Installed here so that the handlers are put back however _run ends (a bad-input error
+    # raised half-way must not leave this run's handler behind for the next one in-process).
+    stop = StopSignal(env.device, env.distributed, cfg.trainer.stop_signals)
     try:
-        return _run(cfg, env, heartbeat=heartbeat)
+        return _run(cfg, env, stop, heartbeat=heartbeat)
     except RuntimeError as e:
         from dtrain.watchdog import is_timeout
 
@@ -279,6 +282,7 @@ def run(cfg: TrainConfig) -> dict:
         heartbeat = None  # a peer is gone: tearing the group down could block too
         raise hung from None
     finally:
+        stop.restore()
         if heartbeat is not None:
             heartbeat.close()
             ddist.shutdown()
@@ -286,7 +290,7 @@ def run(cfg: TrainConfig) -> dict:
             ddist.shutdown()
 
 
-def _run(cfg: TrainConfig, env: ddist.DistEnv, heartbeat=None) -> dict:
+def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None) -> dict:
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
     if cfg.model.init_from:  # the architecture comes from the directory we start from
@@ -415,7 +419,6 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, heartbeat=None) -> dict:
         inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
-    stop = StopSignal(env.device, env.distributed, t.stop_signals)
     guard = NonfiniteGuard(t.on_nonfinite, env.device)
     strategy.nonfinite = guard
     inject = None
@@ -531,7 +534,6 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, heartbeat=None) -> dict:
             # The bad update was skipped, so the weights now are the last good state.
             save(step, final=True)
             progress.close()
-            stop.restore()
             writer.close()
             raise FaultError(
                 f"non-finite loss or gradient norm at step {bad_step}: the update was skipped "
@@ -555,7 +557,6 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, heartbeat=None) -> dict:
         ):
             save(step, final=True)  # also at stop_at_step, so the run can be resumed
     progress.close()
-    stop.restore()
     writer.close()
     return {
         "step": step,
