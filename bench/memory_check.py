@@ -32,21 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LAUNCH = ROOT / "launch" / "train.py"
-
 
 def point_command(overrides: list[str], nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(LAUNCH), *overrides]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(LAUNCH),
-        *overrides,
-    ]
+    from dtrain.dist import train_command
+
+    return train_command(overrides, nproc)
 
 
 def grid(args) -> list[dict]:

@@ -141,3 +141,23 @@ def all_reduce_max_flag(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
+    """The command line that trains with `overrides`: python launch/train.py for one process,
+    torchrun --standalone with nproc ranks otherwise (sweeps, benchmarks and tests use it)."""
+    import sys
+    from pathlib import Path
+
+    launch = str(Path(__file__).resolve().parents[1] / "launch" / "train.py")
+    if nproc == 1:
+        return [sys.executable, launch, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        launch,
+        *overrides,
+    ]

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "launch" / "train.py"
 GROUP_KEYS = ("strategy", "precision", "model")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -62,17 +61,9 @@ def point_name(point: dict[str, str], nproc: int) -> str:
 
 
 def point_command(overrides: list[str], nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(LAUNCH), *overrides]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(LAUNCH),
-        *overrides,
-    ]
+    from dtrain.dist import train_command
+
+    return train_command(overrides, nproc)
 
 
 def main(argv: list[str] | None = None) -> int:

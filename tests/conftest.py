@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "launch" / "train.py"
 
 # Small and fast: the tiny model on a 300 KB slice of the embedded corpus, no progress bar.
 FAST = [
@@ -59,17 +57,9 @@ def cli_env() -> dict:
 
 def launch_cmd(args, nproc: int = 1) -> list[str]:
     """python launch/train.py (nproc=1) or torchrun --standalone (nproc>1) with `args`."""
-    if nproc == 1:
-        return [sys.executable, str(LAUNCH), *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(LAUNCH),
-        *args,
-    ]
+    from dtrain.dist import train_command
+
+    return train_command(list(args), nproc)
 
 
 def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | None = None):
