@@ -50,6 +50,9 @@ class DataConfig:
 class StrategyConfig:
     name: str = "single"
     compile: bool | None = None  # None: compile on CUDA, eager on CPU
+    # single/ddp: what compile covers, `model` (one graph) or `blocks` (each block + the loss);
+    # None: the strategy's default (single: model, ddp: blocks). fsdp/deepspeed: blocks always.
+    compile_scope: str | None = None
     bucket_cap_mb: int = 25  # DDP gradient bucket size
     # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like); false keeps
     # them until the backward (ZeRO-2-like: more memory, one all-gather less per step).
@@ -60,6 +63,7 @@ class StrategyConfig:
     stage: int | None = None  # deepspeed: ZeRO stage 1, 2 or 3 (zero1/2/3 set it)
     offload_optimizer: bool = False  # deepspeed: optimizer states and step on the CPU
     offload_params: bool = False  # deepspeed (stage 3): parameters on the CPU
+    deepcompile: bool = False  # deepspeed (stage 1/3, CUDA): DeepSpeed's compiler passes
 
 
 @dataclass
@@ -381,6 +385,9 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         parse_init_from(m.init_from)
 
 
+COMPILE_SCOPES = ("model", "blocks")
+
+
 def _validate_strategy(s: StrategyConfig) -> None:
     """Ranges and choices; which strategy honours which option is checked by the strategy."""
     if s.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -392,6 +399,11 @@ def _validate_strategy(s: StrategyConfig) -> None:
     _positive(s.bucket_cap_mb, "strategy.bucket_cap_mb")
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
+    if s.compile_scope is not None and s.compile_scope not in COMPILE_SCOPES:
+        raise ConfigError(
+            f"strategy.compile_scope={s.compile_scope!r} is not valid; "
+            f"choose {', '.join(COMPILE_SCOPES)}"
+        )
 
 
 ON_ERROR_CHOICES = ("stop", "continue")

@@ -48,6 +48,15 @@ BAD = [
     (["strategy=single", "strategy.cpu_offload=true"], 1, "does not apply to strategy=single"),
     (["strategy=zero2", "strategy.stage=3"], 2, "use strategy=zero3"),
     (["strategy=zero2", "strategy.offload_params=true"], 2, "needs ZeRO stage 3"),
+    (["strategy=fsdp", "strategy.compile_scope=model"], 2, "does not apply to strategy=fsdp"),
+    (["strategy=ddp", "strategy.deepcompile=true"], 2, "does not apply to strategy=ddp"),
+    (["strategy=zero2", "strategy.deepcompile=true"], 2, "stages 1 and 3 only"),
+    (["strategy=zero3", "strategy.deepcompile=true"], 2, "needs CUDA"),
+    (
+        ["strategy=zero3", "strategy.deepcompile=true", "strategy.compile=false"],
+        2,
+        "cannot go with strategy.compile=false",
+    ),
 ]
 
 
@@ -64,6 +73,7 @@ def test_bad_strategy_options_are_refused(overrides, world, message):
     [
         (["strategy=deepspeed", "strategy.stage=4"], "strategy.stage=4 is not a ZeRO stage"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], "choose none, full"),
+        (["strategy=ddp", "strategy.compile_scope=graph"], "choose model, blocks"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
@@ -71,6 +81,50 @@ def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_deepcompile_goes_into_deepspeeds_config():
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    cfg = compose(*FAST, "strategy=zero3")
+    s = build_strategy(cfg.strategy, PRECISIONS["bf16"], env(2))
+    assert "compile" not in s.ds_config(cfg.model) and not s.compile_enabled
+    s.cfg.deepcompile = True  # what strategy.deepcompile=true gives on CUDA
+    assert s.ds_config(cfg.model)["compile"] == {"deepcompile": True} and s.compile_enabled
+
+
+@pytest.mark.parametrize(
+    "name,scope,whole,blocks",
+    [("single", None, True, False), ("single", "blocks", False, True), ("ddp", None, False, True)],
+)
+def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole, blocks):
+    """`model` compiles one graph; `blocks` compiles each block in place and the loss apart."""
+    import torch.distributed as dist
+
+    from dtrain.model import lm_loss
+
+    compiled = []
+
+    def fake_compile(obj=None, **kw):
+        compiled.append(obj)
+        return obj
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(self))
+    overrides = [f"strategy={name}", "strategy.compile=true"]
+    if scope:
+        overrides.append(f"strategy.compile_scope={scope}")
+    cfg = compose(*FAST, *overrides)
+    s = build_strategy(cfg.strategy, PRECISIONS["fp32"], env(1))
+    if name == "ddp":
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr("dtrain.strategies.ddp.DDP", lambda module, **kw: module)
+    cfg.model.vocab_size = 64
+    s.setup(cfg.model, cfg.optim, seed=0)
+    layers = list(s.module.layers.values())
+    assert (s.module in compiled) == whole
+    assert all(b in compiled for b in layers) == blocks
+    assert (lm_loss in compiled) == blocks
 
 
 def test_without_deepspeed_zero_says_how_to_install(monkeypatch):

@@ -69,6 +69,24 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer):
                 yield v
 
 
+def compile_blocks(model: nn.Module, blocks: bool = True) -> None:
+    """torch.compile each transformer block in place (parameter names unchanged; one compiled
+    graph serves every block) and the loss on its own.
+
+    Compiling block by block is what wrappers that hook parameters between blocks need (FSDP's
+    all-gathers, DDP's bucket all-reduces, DeepSpeed's hooks); the loss, compiled apart, keeps
+    the head's fp32 logits from materialising (see dtrain.model.lm_loss): measured on the 1b
+    model, eager it held ~6 GiB more at the peak. `blocks=False` compiles only the loss, for
+    wrappers whose hooks break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
+    """
+    from dtrain.model import lm_loss
+
+    if blocks:
+        for block in model.layers.values():
+            block.compile()
+    model.loss_fn = torch.compile(lm_loss)
+
+
 # StrategyConfig keys that only some strategies honour; each strategy lists its own in `options`.
 OPTIONAL_KEYS = (
     "reshard_after_forward",
@@ -78,6 +96,8 @@ OPTIONAL_KEYS = (
     "stage",
     "offload_optimizer",
     "offload_params",
+    "compile_scope",
+    "deepcompile",
 )
 
 
@@ -146,8 +166,19 @@ class Strategy:
         )
         self.loss_scaler = build_loss_scaler(self.precision, self.device)
 
+    @property
+    def compile_scope(self) -> str:
+        """What torch.compile covers: `model` (one graph, the default where nothing hooks into
+        the model) or `blocks` (each block and the loss, see compile_blocks)."""
+        return self.cfg.compile_scope or "model"
+
     def wrap(self, module: nn.Module) -> nn.Module:
-        return torch.compile(module) if self.compile_enabled else module
+        if not self.compile_enabled:
+            return module
+        if self.compile_scope == "blocks":
+            compile_blocks(module)
+            return module
+        return torch.compile(module)
 
     # --- training ----------------------------------------------------------------------
     def no_sync(self, last_micro: bool):

@@ -26,7 +26,7 @@ from dtrain.errors import ConfigError
 from dtrain.model import build_model
 from dtrain.optim import build_optimizer, param_groups
 from dtrain.precision import Precision
-from dtrain.strategies.base import StateBytes, Strategy, tensor_bytes
+from dtrain.strategies.base import StateBytes, Strategy, compile_blocks, tensor_bytes
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -65,7 +65,7 @@ class DeepSpeedStrategy(Strategy):
     # need DeepSpeed's own loss scaler wired to our overflow metrics; quantized precisions are
     # refused by precision.check_strategy with the reason.
     precisions = ("fp32", "bf16")
-    options = ("stage", "offload_optimizer", "offload_params")
+    options = ("stage", "offload_optimizer", "offload_params", "deepcompile")
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.stage = zero_stage(cfg)
@@ -79,6 +79,21 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(
                 f"strategy={self.cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
             )
+        if self.cfg.deepcompile and self.stage == 2:
+            raise ConfigError(
+                "strategy.deepcompile has passes for ZeRO stages 1 and 3 only; use "
+                "strategy=zero1 or strategy=zero3, or strategy.deepcompile=false"
+            )
+        if self.cfg.deepcompile and self.cfg.compile is False:
+            raise ConfigError(
+                "strategy.deepcompile=true compiles the model; it cannot go with "
+                "strategy.compile=false"
+            )
+        if self.cfg.deepcompile and self.device.type != "cuda":
+            raise ConfigError(
+                "strategy.deepcompile needs CUDA (DeepSpeed's compiler passes are CUDA-only); "
+                "drop it on this machine"
+            )
         if self.cfg.offload_params and self.stage != 3:
             raise ConfigError(
                 f"strategy.offload_params needs ZeRO stage 3 (strategy=zero3); stage {self.stage} "
@@ -87,7 +102,10 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def compile_enabled(self) -> bool:
-        # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked.
+        # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked
+        # (or DeepCompile, which replaces the hooks by compiler passes, is on).
+        if self.cfg.deepcompile:
+            return True
         if self.cfg.compile is None:
             return self.device.type == "cuda" and self.stage < 3
         return self.cfg.compile
@@ -125,6 +143,8 @@ class DeepSpeedStrategy(Strategy):
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
+        if self.cfg.deepcompile:
+            config["compile"] = {"deepcompile": True}
         if p.mixed:
             # bf16 parameters for compute, fp32 master weights and moments in the optimizer.
             config[_DTYPE_NAMES[p.compute_dtype]] = {"enabled": True}
@@ -171,9 +191,12 @@ class DeepSpeedStrategy(Strategy):
             for g in reference.param_groups
         ]
         del reference
-        if self.compile_enabled and self.stage < 3:
-            for block in module.layers.values():
-                block.compile()  # in place: names unchanged
+        if self.cfg.deepcompile:
+            pass  # engine.compile() below compiles the whole model with DeepSpeed's passes
+        elif self.compile_enabled and self.stage < 3:
+            compile_blocks(module)  # in place: names unchanged
+        elif self.device.type == "cuda" and self.cfg.compile is not False:
+            compile_blocks(module, blocks=False)  # ZeRO-3 eager: the loss alone has no params
         rope = module.rope_cache
         optimizer = self.build_ds_optimizer(module, optim_cfg)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -184,7 +207,7 @@ class DeepSpeedStrategy(Strategy):
         )
         # DeepSpeed's bf16 casts every buffer; RoPE angles in bf16 lose positions. Keep fp32.
         module.rope_cache = rope
-        if self.compile_enabled and self.stage == 3:
+        if self.cfg.deepcompile or (self.compile_enabled and self.stage == 3):
             self.engine.compile()
         self.module, self.model = module, self.engine
         self._params = [p for p in module.parameters() if p.requires_grad]

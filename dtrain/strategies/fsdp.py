@@ -26,7 +26,7 @@ from dtrain.config import ModelConfig, OptimConfig
 from dtrain.errors import ConfigError
 from dtrain.model import GPT
 from dtrain.precision import apply_precision, build_loss_scaler, build_precision_optimizer
-from dtrain.strategies.base import Strategy
+from dtrain.strategies.base import Strategy, compile_blocks
 
 # Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
 # attention) and recomputes everything else (norms, activations, RoPE: cheap, memory-bound).
@@ -126,6 +126,8 @@ class FSDPStrategy(Strategy):
                 block, reshard_after_forward=self.cfg.reshard_after_forward and not last, **shard_kw
             )
             model.layers[key] = block
+        if self.compile_enabled:
+            compile_blocks(model, blocks=False)  # the loss (blocks were compiled above)
         # The root takes what is left: embeddings (tied or not), final norm, output layer.
         fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **shard_kw)
 

@@ -5,3 +5,4 @@ from dtrain.strategies.base import Strategy
 
 class SingleStrategy(Strategy):
     name = "single"
+    options = ("compile_scope",)
