@@ -556,6 +556,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             resume_path is None or step > int(manifest["step"])
         ):
             save(step, final=True)  # also at stop_at_step, so the run can be resumed
+    stream.close()  # (on an error, its __del__ does it when the frame goes)
     progress.close()
     writer.close()
     return {

@@ -448,3 +448,44 @@ def test_a_file_gone_mid_run_stops_with_one_line_from_the_worker(tmp_path):
     with pytest.raises(DataError, match=r"data could not be read \(FileNotFoundError") as e:
         b.next_step()
     assert "\n" not in str(e.value)
+
+
+def test_the_prefetcher_reads_ahead_and_raises_errors_where_their_result_was_due():
+    import time
+
+    from dtrain.data.loader import Prefetcher
+
+    calls = []
+
+    def produce():
+        calls.append(1)
+        if len(calls) == 4:
+            raise DataError("record 4 is broken")
+        return len(calls)
+
+    p = Prefetcher(produce, depth=2)
+    deadline = time.time() + 10
+    while len(calls) < 3 and time.time() < deadline:  # runs ahead of get() by `depth` (+1)
+        time.sleep(0.01)
+    assert len(calls) == 3
+    assert [p.get(), p.get(), p.get()] == [1, 2, 3]
+    with pytest.raises(DataError, match="record 4 is broken"):
+        p.get()
+    p.close()
+    assert not p._thread.is_alive()
+
+
+def test_close_stops_reading_ahead(corpus):
+    files, tok = corpus
+    bundle = build_data(local_cfg(files, str(tok)), seq_len=SEQ, seed=0, device=torch.device("cpu"))
+    (b,) = streams(bundle, 1, workers=1)
+    b.next_step()
+    thread = b._prefetch._thread
+    assert thread.is_alive()
+    b.close()
+    assert not thread.is_alive() and b._prefetch is None
+    (straight,) = streams(bundle, 1, workers=1)
+    expect = [step_all([straight]) for _ in range(3)]
+    # Reading starts again where the loop stands, not where the reader had got to.
+    assert torch.equal(step_all([b])[0], expect[1][0])
+    assert torch.equal(step_all([b])[0], expect[2][0])
