@@ -41,6 +41,11 @@ def summarize(run_dir: Path) -> dict:
             for m in mem
         ],
         "final_loss": train[-1]["loss"],
+        "memory_predicted_gib": next(
+            (r["memory_predicted"]["total_bytes"] / gib for r in recs if "memory_predicted" in r),
+            None,
+        ),
+        "memory_prediction_error_pct": train[-1].get("memory_prediction_error_pct"),
     }
 
 

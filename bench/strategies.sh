@@ -11,14 +11,21 @@ source bench/gpu_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 MODEL=${MODEL:-1b}; STEPS=${STEPS:-40}
 TR="torchrun --standalone --nproc_per_node=2"
-COMMON="model=$MODEL data=synthetic precision=bf16 trainer.seq_len=2048 trainer.micro_batch_size=8
+COMMON="model=$MODEL data=synthetic trainer.seq_len=2048 trainer.micro_batch_size=8
   trainer.max_steps=$STEPS trainer.log_every=10 trainer.eval_every=0 checkpoint.save_final=false
   trainer.progress_bar=false optim.warmup_steps=10"
 dtrain() {  # $1 = strategy
-  rm -rf /tmp/runs/$1
-  $TR launch/train.py $COMMON strategy=$1 hydra.run.dir=/tmp/runs/$1 > $OUT/dtrain_$1.log 2>&1
-  tail -3 $OUT/dtrain_$1.log
-  python3 bench/dtrain_result.py /tmp/runs/$1 --out $OUT/dtrain_$1.json
+  dtrain_as $1 strategy=$1
+}
+dtrain_as() {  # $1 = result name, then overrides (strategy=... and any others)
+  local name=$1; shift
+  rm -rf /tmp/runs/$name
+  case " $* " in *" precision="*) ;; *) set -- "$@" precision=bf16 ;; esac
+  $TR launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/dtrain_$name.log 2>&1
+  tail -2 $OUT/dtrain_$name.log
+  python3 bench/dtrain_result.py /tmp/runs/$name --out $OUT/dtrain_$name.json
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('config'); print(json.dumps(d))" \
+    $OUT/dtrain_$name.json
 }
 baselines() {
   for w in ddp fsdp; do
@@ -51,6 +58,15 @@ case "${1:-all}" in
   part1) plain ddp; dtrain ddp; plain fsdp; dtrain fsdp; dtrain zero2; dtrain zero3 ;;
   part2) deepspeed_plain 2; deepspeed_plain 3; for f in ddp fsdp deepspeed_stage_2; do fabric $f; done
          dtrain zero1 ;;
+  # Compile plan (loss compiled apart, ddp per block) and ZeRO-3 with DeepCompile, with baselines.
+  part3) dtrain ddp; plain ddp; dtrain fsdp; plain fsdp
+         dtrain_as zero3_deepcompile strategy=zero3 strategy.deepcompile=true; dtrain zero3
+         dtrain_as ddp_model strategy=ddp strategy.compile_scope=model ;;
+  # Issue 5: every precision under fsdp on 2 GPUs (bf16 is part3's dtrain fsdp).
+  precision_fsdp)
+    for p in fp16 int8 fp8; do dtrain_as fsdp_$p strategy=fsdp precision=$p; done
+    dtrain_as fsdp_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true
+    dtrain_as fsdp_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
