@@ -327,3 +327,16 @@ def test_int8_300_steps_within_5_percent_of_bf16(tmp_path):
         final[p] = sum(r["loss"] for r in rows[-2:]) / 2  # the last 50 steps
     assert final["bf16"] < 3.5  # it did learn (from ~4.6)
     assert abs(final["int8"] - final["bf16"]) <= 0.05 * final["bf16"], final
+
+
+def test_fsdp_fp16_builds_a_foreach_adamw_beside_the_sharded_scaler():
+    """ShardedGradScaler's (1,)-shaped found_inf broke fused AdamW under fsdp + fp16 on 2x H200
+    (torch 2.11, CUDA only: the CPU path does not hand found_inf to the fused kernel); the fsdp
+    strategy therefore asks for the foreach AdamW there, and only there."""
+    from dtrain.config import OptimConfig
+    from dtrain.strategies.fsdp import sharded_scaler_optim
+
+    assert sharded_scaler_optim(PRECISIONS["fp16"], OptimConfig(fused=None)).fused is False
+    assert sharded_scaler_optim(PRECISIONS["fp16"], OptimConfig(fused=True)).fused is False
+    for name in ("bf16", "fp32", "int8"):
+        assert sharded_scaler_optim(PRECISIONS[name], OptimConfig(fused=None)).fused is None

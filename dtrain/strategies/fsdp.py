@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -63,6 +64,18 @@ def apply_activation_checkpointing(block: nn.Module, mode: str) -> nn.Module:
         context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy),
         preserve_rng_state=False,
     )
+
+
+def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
+    """The optimizer config to use beside ShardedGradScaler (fp16): not fused.
+
+    ShardedGradScaler's found_inf has shape (1,); fused AdamW subtracts it in place from its
+    0-d step counters and fails ("output with shape [] doesn't match the broadcast shape [1]",
+    fp16 under fsdp on 2x H200, torch 2.11, bench/results/2026-11-26b/dtrain_loss_fp16.log).
+    The foreach AdamW takes it."""
+    if precision.loss_scaling and optim_cfg.fused is not False:
+        return replace(optim_cfg, fused=False)
+    return optim_cfg
 
 
 class FSDPStrategy(Strategy):
@@ -147,6 +160,7 @@ class FSDPStrategy(Strategy):
         if self.cfg.cpu_offload and self.device.type == "cuda":
             model.rope_cache = model.rope_cache.to(self.device)  # a buffer FSDP does not move
         self.module = self.model = model
+        optim_cfg = sharded_scaler_optim(p, optim_cfg)
         self.optimizer = build_precision_optimizer(model, optim_cfg, p, self.device)
         self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
 
