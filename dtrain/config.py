@@ -51,7 +51,7 @@ class StrategyConfig:
     name: str = "single"
     compile: bool | None = None  # None: compile on CUDA, eager on CPU
     # single/ddp: what compile covers, `model` (one graph) or `blocks` (each block + the loss);
-    # None: the strategy's default (single: model, ddp: blocks). fsdp/deepspeed: blocks always.
+    # None: the strategy's default (single and ddp: model). fsdp/deepspeed: blocks always.
     compile_scope: str | None = None
     bucket_cap_mb: int = 25  # DDP gradient bucket size
     # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like); false keeps
@@ -63,7 +63,8 @@ class StrategyConfig:
     stage: int | None = None  # deepspeed: ZeRO stage 1, 2 or 3 (zero1/2/3 set it)
     offload_optimizer: bool = False  # deepspeed: optimizer states and step on the CPU
     offload_params: bool = False  # deepspeed (stage 3): parameters on the CPU
-    deepcompile: bool = False  # deepspeed (stage 1/3, CUDA): DeepSpeed's compiler passes
+    # deepspeed (stage 1/3, CUDA): DeepSpeed's DeepCompile passes; None: on for ZeRO-3 on CUDA
+    deepcompile: bool | None = None
 
 
 @dataclass

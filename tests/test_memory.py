@@ -519,3 +519,18 @@ def test_8bit_adamw_moments_are_what_torchao_keeps():
     pr = replace(F32, optimizer_8bit=True)
     planned = model_state_bytes(param_shapes(cfg), MemorySetup("single", pr, 1)).optim
     assert planned == measured
+
+
+def test_ddp_on_cuda_carries_its_measured_extra_gradient_buffers():
+    """The empirical DDP term (memory.DDP_EXTRA_GRAD_BUFFERS): on CUDA with 2+ ranks only,
+    sized by the gradient bytes, and named in the notes."""
+    from dtrain.memory import DDP_EXTRA_GRAD_BUFFERS
+
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=256, vocab_size=50304)
+    base = MemorySetup("ddp", BF16, 2, 4, 512, device="cuda")
+    ddp = plan_memory(cfg, base)
+    one = plan_memory(cfg, replace(base, world_size=1))
+    cpu = plan_memory(cfg, replace(base, device="cpu"))
+    assert ddp.transient_bytes - one.transient_bytes == DDP_EXTRA_GRAD_BUFFERS * ddp.grads_bytes
+    assert any("empirical" in n for n in ddp.notes)
+    assert not any("empirical" in n for n in one.notes + cpu.notes)

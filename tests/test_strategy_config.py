@@ -95,7 +95,12 @@ def test_deepcompile_goes_into_deepspeeds_config():
 
 @pytest.mark.parametrize(
     "name,scope,whole,blocks",
-    [("single", None, True, False), ("single", "blocks", False, True), ("ddp", None, False, True)],
+    [
+        ("single", None, True, False),
+        ("single", "blocks", False, True),
+        ("ddp", None, True, False),
+        ("ddp", "blocks", False, True),
+    ],
 )
 def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole, blocks):
     """`model` compiles one graph; `blocks` compiles each block in place and the loss apart."""

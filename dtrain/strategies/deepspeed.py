@@ -79,7 +79,7 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(
                 f"strategy={self.cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
             )
-        if self.cfg.deepcompile and self.stage == 2:
+        if self.cfg.deepcompile and self.stage == 2:  # explicit true only (None: automatic)
             raise ConfigError(
                 "strategy.deepcompile has passes for ZeRO stages 1 and 3 only; use "
                 "strategy=zero1 or strategy=zero3, or strategy.deepcompile=false"
@@ -101,10 +101,19 @@ class DeepSpeedStrategy(Strategy):
             )
 
     @property
+    def deepcompile(self) -> bool:
+        """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks.
+        On by default for ZeRO-3 on CUDA: 1b on 2x H200, 112.2k tokens/s against 73.9k eager,
+        with 6 GiB less memory per GPU (docs/benchmarks.md)."""
+        if self.cfg.deepcompile is not None:
+            return self.cfg.deepcompile
+        return self.device.type == "cuda" and self.stage == 3 and self.cfg.compile is not False
+
+    @property
     def compile_enabled(self) -> bool:
         # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked
         # (or DeepCompile, which replaces the hooks by compiler passes, is on).
-        if self.cfg.deepcompile:
+        if self.deepcompile:
             return True
         if self.cfg.compile is None:
             return self.device.type == "cuda" and self.stage < 3
@@ -143,7 +152,7 @@ class DeepSpeedStrategy(Strategy):
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
-        if self.cfg.deepcompile:
+        if self.deepcompile:
             config["compile"] = {"deepcompile": True}
         if p.mixed:
             # bf16 parameters for compute, fp32 master weights and moments in the optimizer.
@@ -191,7 +200,7 @@ class DeepSpeedStrategy(Strategy):
             for g in reference.param_groups
         ]
         del reference
-        if self.cfg.deepcompile:
+        if self.deepcompile:
             pass  # engine.compile() below compiles the whole model with DeepSpeed's passes
         elif self.compile_enabled and self.stage < 3:
             compile_blocks(module)  # in place: names unchanged
@@ -207,7 +216,7 @@ class DeepSpeedStrategy(Strategy):
         )
         # DeepSpeed's bf16 casts every buffer; RoPE angles in bf16 lose positions. Keep fp32.
         module.rope_cache = rope
-        if self.cfg.deepcompile or (self.compile_enabled and self.stage == 3):
+        if self.deepcompile or (self.compile_enabled and self.stage == 3):
             self.engine.compile()
         self.module, self.model = module, self.engine
         self._params = [p for p in module.parameters() if p.requires_grad]
