@@ -57,17 +57,9 @@ def test_param_shapes_are_the_models(kw):
     assert param_shapes(cfg) == [tuple(p.shape) for p in model.parameters()]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 2, "tie_embeddings": True}], ids=["mha", "gqa"])
-def test_activation_count_is_what_autograd_saves(precision, kw):
-    """Every tensor autograd keeps for backward (deduplicated by storage, parameters left
-    out) in one eager forward on CPU, against the planner's count."""
-    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, ffn_hidden=192, vocab_size=320, **kw)
-    model = build_model(cfg, "cpu")
-    b, s = 2, 64
-    x, y = torch.randint(0, 320, (b, s)), torch.randint(0, 320, (b, s))
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip.add(model.rope_cache.untyped_storage().data_ptr())
+def _saved_bytes(fn, skip: set[int]) -> int:
+    """Bytes of every tensor autograd keeps for backward while `fn` runs, deduplicated by
+    storage, leaving out the storages in `skip` (parameters, buffers)."""
     saved = {}
 
     def pack(t):
@@ -75,16 +67,81 @@ def test_activation_count_is_what_autograd_saves(precision, kw):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        fn()
+    return sum(v for k, v in saved.items() if k not in skip)
+
+
+def _quantized_model(cfg: ModelConfig, precision: str, native: bool, fp8_recipe="tensorwise"):
+    """The model as a strategy hands it to training: the blocks' linears swapped for the
+    precision, and in bf16 throughout where `native` (FSDP's MixedPrecisionPolicy)."""
+    from dtrain.precision import apply_precision
+
+    pr = PRECISIONS[precision]
+    if pr.quantize == "fp8":
+        pytest.importorskip("torchao")
+        pr = replace(pr, fp8_emulate=True, fp8_recipe=fp8_recipe)
+    model = build_model(cfg, "cpu")
+    apply_precision(model, pr)
+    if native:
+        model.to(torch.bfloat16)
+    return model, pr
+
+
+# Autocast (single, DDP) in fp32, bf16 and int8; computing natively in bf16 (FSDP's param_dtype)
+# in bf16, int8 and fp8. fp8 under autocast is left out: on CPU Float8Linear does not cast its
+# input (it asks CUDA's autocast), so CPU would not show what CUDA saves.
+CASES = [("fp32", False), ("bf16", False), ("int8", False)]
+CASES += [("bf16", True), ("int8", True), ("fp8", True)]
+
+
+@pytest.mark.parametrize(
+    "precision,native", CASES, ids=[f"{p}-{'native' if n else 'autocast'}" for p, n in CASES]
+)
+@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 2, "tie_embeddings": True}], ids=["mha", "gqa"])
+def test_activation_count_is_what_autograd_saves(precision, native, kw):
+    """Every tensor autograd keeps for backward (deduplicated by storage, parameters left
+    out) in one eager forward on CPU, against the planner's count."""
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, ffn_hidden=192, vocab_size=320, **kw)
+    model, pr = _quantized_model(cfg, precision, native)
+    b, s = 2, 64
+    x, y = torch.randint(0, 320, (b, s)), torch.randint(0, 320, (b, s))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope_cache.untyped_storage().data_ptr())
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pr.mixed and not native):
             model(x, y)
-    got = sum(v for k, v in saved.items() if k not in skip)
-    setup = MemorySetup("single", PRECISIONS[precision], 1, b, s, device="cpu")
+
+    got = _saved_bytes(forward, skip)
+    setup = MemorySetup("fsdp" if native else "single", pr, 1, b, s, device="cpu")
     want = (
         cfg.n_layer * layer_activation_bytes(cfg, setup)
         + head_activation_bytes(cfg, setup)
         + autocast_weight_bytes(cfg, setup)
     )
     assert got == want
+
+
+@pytest.mark.slow  # inductor compiles a block per case: ~20-40 s each on a busy CPU
+@pytest.mark.parametrize("precision", ["bf16", "int8", "fp8", "fp8-rowwise"])
+def test_compiled_block_saves_what_the_plan_counts(precision):
+    """One block compiled the way the fsdp strategy compiles it (per block, computing in
+    bf16): the tensors its compiled forward saves for backward, the block's input included
+    (it is the previous block's output, kept for this block), against the compiled count."""
+    cfg = ModelConfig(n_layer=1, n_head=4, d_model=64, ffn_hidden=192, vocab_size=320)
+    name, _, recipe = precision.partition("-")
+    model, pr = _quantized_model(cfg, name, native=True, fp8_recipe=recipe or "tensorwise")
+    block = model.layers["0"]
+    b, s = 2, 64
+    rope = model.rope_cache[:s]
+    fn = torch.compile(lambda t: block(t, rope)[0])
+    x = torch.randn(b, s, cfg.d_model, dtype=torch.bfloat16, requires_grad=True)
+    fn(x)  # compile outside the hooks
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope_cache.untyped_storage().data_ptr())
+    got = _saved_bytes(lambda: fn(x), skip)
+    setup = MemorySetup("fsdp", pr, 1, b, s, compile=True, device="cpu")
+    assert got == layer_activation_bytes(cfg, setup)
 
 
 def _cfg() -> ModelConfig:
