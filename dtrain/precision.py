@@ -139,17 +139,24 @@ def _need_torchao(what: str) -> None:
         raise ConfigError(f"{what} needs torchao, which is not installed: pip install torchao")
 
 
-def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
-    """The Precision for `cfg` on `device`; refuses what this device cannot run."""
+def build_precision(
+    cfg: PrecisionConfig, device: torch.device, *, check_device: bool = True
+) -> Precision:
+    """The Precision for `cfg` on `device`; refuses what this device cannot run.
+
+    `check_device=False` (the planner, which plans for a GPU it does not run on) checks the
+    values only: not this machine's hardware or installed extras."""
     if cfg.name not in PRECISIONS:
         raise ConfigError(
             f"unknown precision '{cfg.name}'; valid choices: {', '.join(sorted(PRECISIONS))}"
         )
     p = PRECISIONS[cfg.name]
+    if not check_device:
+        device = torch.device("meta")  # none of the device checks below applies
     if p.compute_dtype == torch.bfloat16 and device.type == "cuda":
         if not torch.cuda.is_bf16_supported():
             raise ConfigError(f"precision={cfg.name} needs a GPU with bf16 (Ampere or newer)")
-    if p.loss_scaling and device.type != "cuda":
+    if p.loss_scaling and device.type not in ("cuda", "meta"):
         raise ConfigError(
             f"precision={cfg.name} needs a CUDA GPU (fp16 autocast and loss scaling are for "
             "GPUs); on CPU use precision=bf16 or fp32"
@@ -167,14 +174,14 @@ def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
                     f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+, "
                     f"e.g. H100/L40S); this one is {cap[0]}.{cap[1]}"
                 )
-        elif not cfg.fp8_emulate:
+        elif not cfg.fp8_emulate and device.type != "meta":
             raise ConfigError(
                 "precision=fp8 on CPU runs only emulated: set precision.fp8_emulate=true "
                 "(for tests; it is slow), or train fp8 on an H100/H200"
             )
-    if p.quantize in ("fp8", "int8-torchao"):
+    if p.quantize in ("fp8", "int8-torchao") and check_device:
         _need_torchao(f"precision={p.name}")
-    if cfg.optimizer_8bit:
+    if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     return replace(
         p,

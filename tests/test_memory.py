@@ -400,6 +400,14 @@ def test_plan_json_has_the_documented_keys():
     assert state == 16 * p["n_params"] + 4 * (24 * 9 + 2)
 
 
+def test_plan_is_for_the_gpu_named_not_this_machine():
+    """fp16 and fp8 cannot train on this CPU, yet plan for an H100; fp8 saves activations."""
+    args = ("model=1b", "strategy=fsdp", "world_size=2", "gpu=h100-80gb")
+    bf16, fp16, fp8 = (_plan(*args, f"precision={p}") for p in ("bf16", "fp16", "fp8"))
+    assert fp16["total_bytes"] == bf16["total_bytes"]
+    assert fp8["activations_bytes"] < bf16["activations_bytes"]
+
+
 def test_plan_text_says_fits_and_the_budget(capsys):
     from dtrain.cli.plan import main
 
