@@ -672,12 +672,11 @@ def largest_micro_batch(
 
 
 def gpu_peak_flops(gpu: GpuSpec, precision) -> float:
-    """Dense peak for the precision's compute dtype: 8-bit (int8/fp8) tensor cores run at twice
-    the 16-bit rate; fp32 runs on TF32 tensor cores only where the precision allows it."""
-    c = _itemsize(precision.compute_dtype)
-    if c == 1 or getattr(precision, "int8", False):
-        return 2 * gpu.bf16_flops
-    if c == 2:
+    """Dense peak for the precision's compute dtype: the 16-bit rate for bf16/fp16 and for the
+    quantized precisions too (int8/fp8 linears run on 8-bit tensor cores, but attention and the
+    head stay 16-bit, and one denominator keeps MFU comparable across precisions, as the
+    speed-ups in docs/benchmarks.md are); fp32 runs on TF32 tensor cores only where allowed."""
+    if _itemsize(precision.compute_dtype) <= 2:
         return gpu.bf16_flops
     return gpu.tf32_flops if getattr(precision, "tf32", False) else gpu.fp32_flops
 
