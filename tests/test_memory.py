@@ -184,6 +184,20 @@ def test_model_state_follows_the_zero_paper_table(precision):
     assert state("zero3", n) == (p * psi // n, p * psi // n, k * psi // n + ds_steps)
 
 
+def test_zero1_plans_as_zero2_on_cuda_unless_it_accumulates():
+    """On CUDA (overlap_comm) without accumulation DeepSpeed's stage 1 and 2 hold the same
+    memory (2x H200, 1b, bf16: both peaked at 45.32 GiB allocated); with accumulation ZeRO-1
+    carries the full gradients into the last micro-step's backward."""
+    cfg = ModelConfig(**{**_cfg().__dict__, "vocab_size": 50304})
+    base = MemorySetup("zero1", BF16, 2, micro_batch_size=4, seq_len=512)
+    z1, z2 = plan_memory(cfg, base), plan_memory(cfg, replace(base, strategy="zero2"))
+    assert z1.total_bytes == z2.total_bytes and z1.at_peak == z2.at_peak
+    psi = sum(math.prod(sh) for sh in param_shapes(cfg))
+    acc = plan_memory(cfg, replace(base, grad_accum_steps=2))
+    assert acc.phase == "backward" and acc.at_peak["grads"] == acc.grads_bytes == 2 * psi
+    assert acc.total_bytes - z1.total_bytes == 2 * psi
+
+
 def _state3(shapes, setup) -> tuple[int, int, int]:
     st = model_state_bytes(shapes, setup)
     return st.params, st.grads, st.optim
