@@ -112,6 +112,10 @@ class MemorySetup:
     ds_bucket_elements: int = 25 * 2**20 // 4  # DeepSpeed's reduce/allgather buckets
     device: str = "cuda"  # cpu: no context, no allocator slack
     rank: int = 0  # model state is planned for this rank (FSDP's last ranks may hold less)
+    grad_accum_steps: int = 1  # micro-steps per optimizer step (ZeRO-1 then holds full grads)
+    # DeepSpeed's zero_optimization.overlap_comm (reduce during backward). None: as dtrain's
+    # generated config sets it, on CUDA only (DeepSpeedStrategy.ds_config).
+    ds_overlap_comm: bool | None = None
 
 
 @dataclass
@@ -277,22 +281,21 @@ def model_state_bytes(shapes: list[tuple[int, ...]], setup: MemorySetup) -> Mode
     groups = _decay_groups(shapes)  # DeepSpeed flattens each of AdamW's param groups
     ds_steps = len([g for g in groups if g]) * b.step
     if s in ("zero1", "zero2"):
-        # Each flat group is padded to a multiple of 2·N elements (nccl_start_alignment_factor
-        # = 2) before being cut into N equal partitions. Reduced gradients land in a buffer
-        # holding every parameter that overlaps this rank's partition, whole (both stages:
-        # DeepSpeed's stage 1 also keeps only its partition's gradients after backward).
-        part = grads = 0
-        r = setup.rank % n
-        for sizes in _decay_group_sizes(shapes):
-            p_size = -(-sum(sizes) // (2 * n)) * 2
-            part += p_size
-            lo, hi, offset = r * p_size, (r + 1) * p_size, 0
-            for k in sizes:
-                if offset < hi and offset + k > lo:
-                    grads += k
-                offset += k
+        zp = zero_partition(shapes, setup)
+        grads = zp.overlap_elements
+        if s == "zero1":
+            grads = zero1_grad_elements(zp, total, setup)
+            if zero1_holds_full_grads(setup):
+                notes.append(
+                    "ZeRO-1 holds the full gradients until the accumulation boundary "
+                    "(gradient accumulation, or no overlap_comm off CUDA)"
+                )
         return ModelState(
-            total * b.param, grads * b.grad, part * b.optim + ds_steps, part * b.master, notes
+            total * b.param,
+            grads * b.grad,
+            zp.elements * b.optim + ds_steps,
+            zp.elements * b.master,
+            notes,
         )
     if s == "zero3":
         part = sum(-(-_numel(sh) // n) for sh in shapes)  # each tensor partitioned, padded
@@ -300,6 +303,113 @@ def model_state_bytes(shapes: list[tuple[int, ...]], setup: MemorySetup) -> Mode
             part * b.param, part * b.grad, part * b.optim + ds_steps, part * b.master, notes
         )
     raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGY_NAMES)}")
+
+
+@dataclass(frozen=True)
+class ZeroPartition:
+    """How DeepSpeed's stage 1/2 optimizer splits the model for one rank.
+
+    Each of AdamW's param groups is flattened, padded to a multiple of 2·N elements
+    (nccl_start_alignment_factor = 2) and cut into N equal partitions; this rank owns one per
+    group. Its gradient buffer (`grads_in_partition`) holds every parameter that overlaps its
+    partitions, whole."""
+
+    group_elements: tuple[int, ...]  # this rank's partition of each flat group (padded)
+    overlap_elements: int  # the parameters overlapping those partitions, whole
+    outside_sizes: tuple[int, ...]  # sizes of the parameters that do not overlap them
+
+    @property
+    def elements(self) -> int:
+        return sum(self.group_elements)
+
+
+def zero_partition(shapes: list[tuple[int, ...]], setup: MemorySetup) -> ZeroPartition:
+    n, r = setup.world_size, setup.rank % setup.world_size
+    parts, overlap, outside = [], 0, []
+    for sizes in _decay_group_sizes(shapes):
+        p_size = -(-sum(sizes) // (2 * n)) * 2
+        parts.append(p_size)
+        lo, hi, offset = r * p_size, (r + 1) * p_size, 0
+        for k in sizes:
+            if offset < hi and offset + k > lo:
+                overlap += k
+            else:
+                outside.append(k)
+            offset += k
+    return ZeroPartition(tuple(parts), overlap, tuple(outside))
+
+
+def ds_overlap_comm(setup: MemorySetup) -> bool:
+    """Whether DeepSpeed reduces gradients during the backward (overlap_comm)."""
+    if setup.ds_overlap_comm is not None:
+        return setup.ds_overlap_comm
+    return setup.device == "cuda"
+
+
+def zero1_holds_full_grads(setup: MemorySetup) -> bool:
+    """True where a ZeRO-1 rank holds every gradient at once (see zero1_grad_elements)."""
+    return not ds_overlap_comm(setup) or setup.grad_accum_steps > 1
+
+
+def zero1_grad_elements(zp: ZeroPartition, total: int, setup: MemorySetup) -> int:
+    """Gradient elements a ZeRO-1 rank holds at its peak (DeepSpeed 0.19's
+    runtime/zero/stage_1_and_2.py, checked on 2 CPU ranks), in the module's dtype: 2 bytes
+    under bf16 (DeepSpeed casts the module), 4 under fp32.
+
+    ZeRO-1 reduces only at the accumulation boundary. There it moves each p.grad into a
+    reduce bucket (p.grad then points into the bucket, the gradient's own storage is freed),
+    reduces the bucket, and copies the gradients of the parameters overlapping this rank's
+    partition, whole, into `grads_in_partition` (`zp.overlap_elements`, a little over Ψ/N:
+    what ZeRO-2 keeps too). At the end of the backward the rest is dropped; the optimizer
+    step flattens that buffer group by group and frees it. So:
+
+    * **full gradients, Ψ** (the ZeRO paper's 2Ψ bytes at 16 bits), wherever the reduction
+      does not run during the backward: always with gradient accumulation
+      (grad_accum_steps > 1: the micro-steps before the last one accumulate autograd's
+      p.grad, on CUDA too, and those gradients are alive beside the last micro-batch's
+      activations), and on every step without overlap_comm (dtrain on CPU), from the
+      backward until the boundary reduction;
+    * **the partition buffer only** with overlap_comm (dtrain on CUDA) and no accumulation:
+      each gradient is copied into a reduce bucket the moment autograd produces it and its
+      own storage freed, so beyond the buckets the rank holds only the partition buffer
+      (with a bucket at least as large as the model, the whole gradient sits in the first
+      bucket until the end of the backward). Parameters larger than a bucket bypass it;
+      ZeRO-1 (unlike ZeRO-2) keeps those outside its partition whole until the end of the
+      backward, and the last of them autograd produces is whole until reduced (none with
+      dtrain's default 2000 MB buckets: 524M elements, more than any tensor of any preset).
+
+    Not counted here: DeepSpeed's reduce buckets (`ds_reduce_bucket_bytes`), which hold
+    gradients in flight and are communication workspace sized by bucket_cap_mb, not by the
+    model; and the flat fp32 gradient partition the optimizer step builds for one param group
+    at a time (`zero_step_copy_bytes`). plan_memory plans both as transients. Under ZeRO-1
+    with overlap_comm the p.grad of parameters outside the partition stay views into the
+    buckets after the reduction (ZeRO-2 drops them), so counting p.grad storages also counts
+    both buckets: on the 1b model (bf16, 2x H200) that was the 3.2 GiB "gradients" per rank,
+    the partition buffer (1.24 GiB on rank 0) plus 2 x 524,288,000 x 2 bytes of buckets.
+    """
+    if zero1_holds_full_grads(setup):
+        return total
+    big = sum(k for k in zp.outside_sizes if k > setup.ds_bucket_elements)
+    return zp.overlap_elements + big
+
+
+def ds_reduce_bucket_bytes(setup: MemorySetup) -> int:
+    """DeepSpeed stage 1/2's reduce buckets: `torch.empty(reduce_bucket_size)` in the
+    module's dtype at the first gradient hook of a step, two with overlap_comm (one filling
+    while the other reduces), kept until the boundary reduction ends. Allocated at full size
+    whatever the model's size."""
+    b = state_bytes_per_element(setup.precision, deepspeed=True)
+    return (2 if ds_overlap_comm(setup) else 1) * setup.ds_bucket_elements * b.grad
+
+
+def zero_step_copy_bytes(zp: ZeroPartition, setup: MemorySetup) -> int:
+    """The most the stage 1/2 optimizer step adds beside the partition buffer: for one param
+    group at a time it flattens the gradients into a partition (module dtype) and converts
+    it to fp32 for the fp32 master (the same tensor under fp32; under bf16 the 16-bit flat
+    copy is freed right after the conversion)."""
+    g = state_bytes_per_element(setup.precision, deepspeed=True).grad
+    per_element = 4 + (g if g != 4 else 0)
+    return max(zp.group_elements, default=0) * per_element
 
 
 def _decay_group_sizes(shapes: list[tuple[int, ...]]) -> list[list[int]]:
@@ -577,8 +687,8 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     elif s == "zero3":
         gathered = 2 * block * c + emb * c + 2 * setup.ds_bucket_elements * c
     elif s in ("zero1", "zero2"):
-        # The reduce bucket (gradients waiting for their reduce) in the compute dtype.
-        gathered = min(setup.ds_bucket_elements, n_params) * _itemsize(pr.reduce_dtype)
+        # The reduce buckets (gradients waiting for their reduce), allocated at full size.
+        gathered = ds_reduce_bucket_bytes(setup)
     transient += gathered + recompute
     if s == "ddp" and setup.device == "cuda" and setup.world_size > 1:
         transient += DDP_EXTRA_GRAD_BUFFERS * grads
@@ -596,12 +706,22 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     grads_at_backward = max(persistent_grads, head_grad if s == "single" else 0)
     if s == "fsdp":
         grads_at_backward = 0
+    if s in ("zero1", "zero2"):
+        # Only gradients of earlier micro-steps exist as a backward starts: the optimizer step
+        # frees the partition buffer, the next backward allocates it again (at its first
+        # reduction, with activations already being freed). On 2x H200 (1b, bf16) zero1 and
+        # zero2 peaked at the same 45.32 GiB allocated.
+        grads_at_backward = grads if setup.grad_accum_steps > 1 else 0
     backward_peak = params + optim + grads_at_backward + activations + transient
     step_transient = gathered
-    if s == "zero1":
-        # Stage 1 accumulates full gradients in p.grad through backward and copies its
-        # partition out at the end: at that moment the full gradients exist too.
-        step_transient += n_params * state_bytes_per_element(pr, deepspeed=True).grad
+    if s in ("zero1", "zero2"):
+        # After the backward: the boundary reduction (the gradients held, see
+        # zero1_grad_elements, and the buckets), then the optimizer step (the partition
+        # buffer and one group's flat fp32 gradient partition).
+        zp = zero_partition(shapes, setup)
+        g = state_bytes_per_element(pr, deepspeed=True).grad
+        step = zp.overlap_elements * g + zero_step_copy_bytes(zp, setup)
+        step_transient = max(grads + gathered, step) - grads
     step_peak = params + optim + grads + step_transient
     phase = "backward" if backward_peak >= step_peak else "step"
 
@@ -737,6 +857,8 @@ def setup_from_config(
 ) -> MemorySetup:
     """A MemorySetup from a TrainConfig. Strategy options are read by name with their
     defaults, so the planner works before and after a strategy adds them to StrategyConfig."""
+    from dtrain.config import resolve_grad_accum
+
     st, t = cfg.strategy, cfg.trainer
     compile_ = getattr(st, "compile", None)
     compile_ = compile_ if compile_ is not None else device == "cuda"
@@ -765,6 +887,7 @@ def setup_from_config(
         ds_bucket_elements=int(getattr(st, "bucket_cap_mb", 25)) * 2**20 // 4,
         device=device,
         rank=rank,
+        grad_accum_steps=resolve_grad_accum(t, world_size),
     )
 
 

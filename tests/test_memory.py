@@ -169,11 +169,33 @@ def test_model_state_follows_the_zero_paper_table(precision):
     ds_steps = 2 * 4  # one step tensor per flat param group
     # ZeRO-1 and -2 as DeepSpeed runs them: after backward each rank keeps the gradients of
     # the parameters overlapping its partition, whole (a little over 1/N).
+    # (ZeRO-1 only with overlap_comm, i.e. on CUDA, and without gradient accumulation.)
     for stage in ("zero1", "zero2"):
         params, grads, optim = state(stage, n)
         assert (params, optim) == (p * psi, k * psi // n + ds_steps)
         assert p * psi // n <= grads <= p * psi // n + 2 * p * max(map(math.prod, shapes))
+    # Otherwise ZeRO-1 holds the full gradients, the ZeRO paper's 2Ψ (at 16 bits).
+    for setup in (
+        MemorySetup("zero1", pr, n, device="cpu"),
+        MemorySetup("zero1", pr, n, grad_accum_steps=2),
+        MemorySetup("zero1", pr, n, ds_overlap_comm=False),
+    ):
+        assert model_state_bytes(shapes, setup).grads == p * psi
     assert state("zero3", n) == (p * psi // n, p * psi // n, k * psi // n + ds_steps)
+
+
+def test_zero1_plans_as_zero2_on_cuda_unless_it_accumulates():
+    """On CUDA (overlap_comm) without accumulation DeepSpeed's stage 1 and 2 hold the same
+    memory (2x H200, 1b, bf16: both peaked at 45.32 GiB allocated); with accumulation ZeRO-1
+    carries the full gradients into the last micro-step's backward."""
+    cfg = ModelConfig(**{**_cfg().__dict__, "vocab_size": 50304})
+    base = MemorySetup("zero1", BF16, 2, micro_batch_size=4, seq_len=512)
+    z1, z2 = plan_memory(cfg, base), plan_memory(cfg, replace(base, strategy="zero2"))
+    assert z1.total_bytes == z2.total_bytes and z1.at_peak == z2.at_peak
+    psi = sum(math.prod(sh) for sh in param_shapes(cfg))
+    acc = plan_memory(cfg, replace(base, grad_accum_steps=2))
+    assert acc.phase == "backward" and acc.at_peak["grads"] == acc.grads_bytes == 2 * psi
+    assert acc.total_bytes - z1.total_bytes == 2 * psi
 
 
 def _state3(shapes, setup) -> tuple[int, int, int]:
@@ -292,15 +314,8 @@ MULTI = [
     pytest.param(["strategy=ddp"], id="ddp"),
     pytest.param(["strategy=fsdp"], id="fsdp"),
     pytest.param(["strategy=fsdp", "strategy.reshard_after_forward=false"], id="fsdp-noreshard"),
-    # Known disagreement, left visible: the plan holds ZeRO-1's full gradients (the ZeRO paper's
-    # 2Ψ), while the strategy's measurement on CPU sees only the reduced partition (its hook on
-    # the engine's reduction does not fire on this path). strict: the day they agree, this fails
-    # and the mark must go.
-    pytest.param(
-        ["strategy=zero1"],
-        id="zero1",
-        marks=pytest.mark.xfail(reason="ZeRO-1 gradient accounting disagrees", strict=True),
-    ),
+    # On CPU (no overlap_comm) ZeRO-1 holds the full gradients until the boundary reduction.
+    pytest.param(["strategy=zero1"], id="zero1"),
     pytest.param(["strategy=zero2"], id="zero2"),
     pytest.param(["strategy=zero3"], id="zero3"),
 ]
@@ -367,6 +382,122 @@ def test_fsdp2_layout_is_what_fully_shard_does(tmp_path):
     for r in range(2):
         plan = _state3(shapes, MemorySetup("fsdp", F32, 2, rank=r))
         assert list(plan) == data["bytes"][r], (r, plan, data["bytes"][r])
+
+
+ZERO1_WORKER = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    from dtrain.config import OptimConfig, StrategyConfig
+    from dtrain.dist import init_distributed
+    from dtrain.model import ModelConfig
+    from dtrain.precision import PRECISIONS
+    from dtrain.strategies.base import tensor_bytes
+    from dtrain.strategies.deepspeed import DeepSpeedStrategy
+
+    env = init_distributed("cpu")
+    model = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=128, ffn_hidden=384,
+                        vocab_size=512, max_seq_len=32)
+    results = []
+    for case in json.loads(sys.argv[1]):
+        s = DeepSpeedStrategy(StrategyConfig(name="zero1", bucket_cap_mb=case["bucket_mb"]),
+                              PRECISIONS[case["precision"]], env)
+        make = s.ds_config
+        def forced(m, make=make, overlap=case["overlap"]):  # the CUDA setting, on CPU
+            cfg = make(m)
+            cfg["zero_optimization"]["overlap_comm"] = overlap
+            return cfg
+        s.ds_config = forced
+        ga = case["ga"]
+        s.configure(micro_batch_size=2, grad_accum_steps=ga, grad_clip=1.0)
+        s.setup(model, OptimConfig(), 0)
+        opt, seen = s.engine.optimizer, {"buckets": 0, "step_fp32": 0}
+        watched = s.engine.allreduce_gradients
+        def reduction(*a, **k):  # the buckets allocated as a backward hands over
+            bufs = [b for bk in opt.ipg_buckets.values() for b in bk.buffer]
+            seen["buckets"] = max(seen["buckets"], tensor_bytes(bufs))
+            return watched(*a, **k)
+        s.engine.allreduce_gradients = reduction
+        clip = opt.unscale_and_clip_grads
+        def step_copy(groups, norm):  # one group's flat fp32 gradient partition
+            seen["step_fp32"] = max(seen["step_fp32"], tensor_bytes(groups))
+            return clip(groups, norm)
+        opt.unscale_and_clip_grads = step_copy
+        torch.manual_seed(env.rank)
+        for micro in range(ga):
+            x, y = (torch.randint(0, model.vocab_size, (2, 16)) for _ in "xy")
+            s.forward_backward(x, y, last_micro=micro == ga - 1, loss_div=ga)
+        s.clip_and_step(1e-3, 1.0)
+        results.append({"grads": s._state_bytes.grads_bytes, **seen})
+    out = [None] * env.world_size
+    dist.all_gather_object(out, results)
+    if env.rank == 0:
+        print("RESULT " + json.dumps({"model": model.__dict__, "ranks": out}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_zero1_holds_what_the_plan_says_on_each_path(tmp_path):
+    """ZeRO-1's gradients under overlap_comm (dtrain's setting on CUDA, forced here on CPU):
+    the partition buffer only, over several bucket reductions and with one bucket for all;
+    with accumulation the full gradients again. And the buckets and the optimizer step's
+    fp32 gradient partition that the plan holds as transients."""
+    pytest.importorskip("deepspeed")
+    from dtrain.memory import (
+        ds_reduce_bucket_bytes,
+        zero_partition,
+        zero_step_copy_bytes,
+    )
+
+    cases = [  # 1 MB buckets: 262,144 elements, fewer than the model, more than any tensor
+        {"overlap": True, "ga": 1, "precision": "fp32", "bucket_mb": 1},
+        {"overlap": True, "ga": 1, "precision": "bf16", "bucket_mb": 2000},
+        {"overlap": True, "ga": 2, "precision": "bf16", "bucket_mb": 1},
+        {"overlap": False, "ga": 2, "precision": "bf16", "bucket_mb": 1},
+    ]
+    script = tmp_path / "worker.py"
+    script.write_text(ZERO1_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    res = subprocess.run(
+        [*cmd, str(script), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
+    data = json.loads(line[len("RESULT ") :])
+    cfg = ModelConfig(**data["model"])
+    shapes = param_shapes(cfg)
+    psi = sum(math.prod(sh) for sh in shapes)
+    for i, case in enumerate(cases):
+        pr = PRECISIONS[case["precision"]]
+        g = 2 if case["precision"] == "bf16" else 4
+        for r in range(2):
+            setup = MemorySetup(
+                "zero1",
+                pr,
+                2,
+                device="cpu",
+                rank=r,
+                grad_accum_steps=case["ga"],
+                ds_overlap_comm=case["overlap"],
+                ds_bucket_elements=case["bucket_mb"] * 2**20 // 4,
+            )
+            got, zp = data["ranks"][r][i], zero_partition(shapes, setup)
+            want = model_state_bytes(shapes, setup).grads
+            assert got["grads"] == want, (case, r, got, want)
+            if case["ga"] > 1 or not case["overlap"]:
+                assert want == psi * g  # the full gradients
+            else:
+                assert want == zp.overlap_elements * g < psi * g  # the partition buffer
+            assert got["buckets"] == ds_reduce_bucket_bytes(setup), (case, r, got)
+            # The step's fp32 partition (the plan adds the 16-bit flat copy it is made from).
+            assert got["step_fp32"] == 4 * max(zp.group_elements), (case, r, got)
+            assert zero_step_copy_bytes(zp, setup) == (4 + 2 * (g == 2)) * max(zp.group_elements)
 
 
 # --- the plan CLI --------------------------------------------------------------------------

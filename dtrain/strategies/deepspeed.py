@@ -225,13 +225,17 @@ class DeepSpeedStrategy(Strategy):
             self._watch_reduction()
 
     def _watch_reduction(self) -> None:
-        """ZeRO-1: count gradient bytes just before the engine reduces them (first step only).
+        """ZeRO-1: count gradient bytes as each backward hands over to the engine's reduction
+        (first optimizer step only).
 
-        ZeRO-1 holds full gradients until the end of the backward and frees them once they are
-        reduced into this rank's partition, so after the backward only the partition is left.
+        ZeRO-1 reduces only at the accumulation boundary. Until then autograd's p.grad hold
+        the full gradients: before every boundary reduction without overlap_comm (CPU), and
+        at the end of the non-final micro-steps with gradient accumulation (everywhere). With
+        overlap_comm and no accumulation each gradient moves into a reduce bucket as it is
+        produced, so the rank holds its partition buffer instead. dtrain.memory's
+        zero1_grad_elements plans the same, and says what ZeRO-1 holds when.
         (ZeRO-2/3 reduce bucket by bucket during the backward; their gradients then live in
-        DeepSpeed's reduction buckets, communication workspace sized by bucket_cap_mb, and
-        in the partition, which is what is counted after the backward.)"""
+        the partition, which is what is counted after the backward.)"""
         original = self.engine.allreduce_gradients
 
         def measured(*args, **kwargs):
@@ -276,13 +280,24 @@ class DeepSpeedStrategy(Strategy):
         return [getattr(p, "ds_tensor", p) for p in self.module.parameters()]
 
     def _measure_grads(self) -> int:
-        """Gradient storage after the last backward of a step: full .grad (stage 1), the
-        partitioned buffers ZeRO-2/3 reduce into (views of one buffer count once)."""
+        """Gradient storage now: p.grad and the partitioned buffers ZeRO reduces into (views
+        of one buffer count once), not the reduce buckets. Those are communication
+        workspace sized by bucket_cap_mb (dtrain.memory plans them as transient), yet under
+        ZeRO-1 with overlap_comm the p.grad of parameters outside the partition stay views
+        into them after the reduction: counted, they turned 1.24 GiB of gradients into
+        3.2 GiB on the 1b model (bf16, 2x H200)."""
         opt = self.engine.optimizer
+        buckets = {
+            t.untyped_storage().data_ptr()
+            for bucket in getattr(opt, "ipg_buckets", {}).values()
+            for t in _tensors_in(getattr(bucket, "buffer", None))
+        }
         tensors = [p.grad for p in self.module.parameters()]
         for name in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
             tensors += list(_tensors_in(getattr(opt, name, None)))
-        return tensor_bytes(tensors)
+        return tensor_bytes(
+            t for t in tensors if t is not None and t.untyped_storage().data_ptr() not in buckets
+        )
 
     def measure_state_bytes(self) -> StateBytes:
         opt = self.engine.optimizer
