@@ -19,6 +19,16 @@ folded into dy:
 
 so the saved xq is used as is and only (dy * sx) is quantized, per output channel n.
 
+That quantization is the coarsest of the three: one scale per output channel over every token of
+the batch, so a few large gradients flatten the rest. With `grad_weight="bf16"` (SwitchBack,
+Wortsman et al. 2023, "Stable and low-precision training for large-scale vision-language
+models") grad_weight instead runs in the compute dtype from the same saved int8 input,
+
+    dW = dy^T (xq * sx)        xq * sx dequantized to the compute dtype (bf16 under autocast)
+
+so nothing more is saved (memory is unchanged), dy is not quantized for it, and forward and
+grad_input stay int8: two int8 matmuls per linear instead of three.
+
 Operand layouts follow what int8 GEMMs want (cuBLASLt's "TN": first operand row-major, second
 column-major), so no int8 copy is needed except the transpose of xq for grad_weight. Every
 quantize is a row reduction plus a pointwise op, which torch.compile fuses into one kernel
@@ -38,6 +48,9 @@ QMAX = 127.0
 # int32 accumulation overflows past 2**31 / 127**2 = 133,143 products of full-scale values;
 # longer reductions (grad_weight over many tokens) are split into chunks this long.
 MAX_REDUCTION = 131072
+# How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input) or "bf16"
+# (SwitchBack: a matmul in the compute dtype from the dequantized int8 input).
+GRAD_WEIGHT_MODES = ("int8", "bf16")
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +108,7 @@ def scaled_int_mm(
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         xq, xs = quantize_rowwise(x2)  # (M, K) int8, (M, 1)
@@ -106,6 +119,7 @@ class _Int8LinearFn(torch.autograd.Function):
         # The weight is the parameter itself (no copy); the input only as int8 + scales.
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
+        ctx.out_dtype, ctx.int8_grad_weight = out_dtype, int8_grad_weight
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -117,24 +131,43 @@ class _Int8LinearFn(torch.autograd.Function):
             gq, gs = quantize_rowwise(g)  # per token, over N
             wtq, wts = quantize_rowwise(weight.t())  # (K, N): per input channel, over N
             grad_x = scaled_int_mm(gq, gs, wtq.t(), wts.t(), ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
             # Fold the per-token input scales into dy (see the module docstring), then
             # quantize per output channel over the tokens: (N, M) int8, (N, 1).
             gtq, gts = quantize_rowwise((g.float() * xs).t())
             xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
             grad_w = scaled_int_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype)  # (N, K)
+        elif ctx.needs_input_grad[1]:
+            # SwitchBack: dequantize the saved input (in fp32, one rounding to the compute
+            # dtype) and multiply in the compute dtype, as a bf16 linear's grad_weight does.
+            x_deq = (xq.float() * xs).to(ctx.out_dtype)  # (M, K)
+            grad_w = torch.mm(g.to(ctx.out_dtype).t(), x_deq).to(weight.dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _check_grad_weight(grad_weight: str) -> None:
+    if grad_weight not in GRAD_WEIGHT_MODES:
+        raise ValueError(f"grad_weight={grad_weight!r}; choose one of {GRAD_WEIGHT_MODES}")
 
 
 def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    grad_weight: str = "int8",
 ) -> torch.Tensor:
-    """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype."""
+    """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
+
+    `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
+    compute dtype from the saved int8 input).
+    """
+    _check_grad_weight(grad_weight)
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype)
+    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8")
 
 
 class Int8Linear(nn.Linear):
@@ -142,18 +175,32 @@ class Int8Linear(nn.Linear):
     nn.Linear it replaces (the swap only changes the class), so DDP, fully_shard, optimizers
     and checkpoints are unaffected."""
 
+    # A plain attribute (set per instance by apply_int8): torch.compile treats it as a constant.
+    grad_weight: str = "int8"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.bias)
+        return int8_linear(x, self.weight, self.bias, grad_weight=self.grad_weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, grad_weight={self.grad_weight}"
 
 
-def apply_int8(module: nn.Module, filter_fn: Callable[[nn.Module, str], bool]) -> int:
-    """Swap, in place, every nn.Linear in `module` for which filter_fn(linear, fqn) holds.
+def apply_int8(
+    module: nn.Module,
+    filter_fn: Callable[[nn.Module, str], bool],
+    *,
+    grad_weight: str = "int8",
+) -> int:
+    """Swap, in place, every nn.Linear in `module` for which filter_fn(linear, fqn) holds;
+    `grad_weight` ("int8" or "bf16") is how the swapped layers compute grad_weight.
 
     Returns the number of layers swapped.
     """
+    _check_grad_weight(grad_weight)
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
             m.__class__ = Int8Linear
+            m.grad_weight = grad_weight
             n += 1
     return n
