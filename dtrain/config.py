@@ -74,6 +74,8 @@ class PrecisionConfig:
     optimizer_8bit: bool = False  # AdamW moments in 8 bits (torchao AdamW8bit)
     fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise | rowwise scales
     fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
+    # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
+    int8_grad_weight: str | None = None
 
 
 @dataclass

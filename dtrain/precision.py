@@ -42,6 +42,9 @@ class Precision:
     optimizer_8bit: bool = False  # torchao AdamW8bit: moments in int8 with block-wise scales
     fp8_recipe: str = "tensorwise"
     fp8_emulate: bool = False
+    # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
+    # int8 input); "" for every other precision.
+    int8_grad_weight: str = ""
     summary: str = ""
 
     @property
@@ -63,6 +66,8 @@ class Precision:
 
 _F32, _BF16, _F16, _I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
 _BLOCK_LINEARS = "the transformer blocks' linear layers (q, k, v, o, w1, w2, w3)"
+# precision=int8's grad_weight matmul when precision.int8_grad_weight is not set.
+INT8_GRAD_WEIGHT_DEFAULT = "int8"
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision(
@@ -103,7 +108,9 @@ PRECISIONS: dict[str, Precision] = {
         _F32,
         quantize="int8",
         quantized=f"{_BLOCK_LINEARS}: forward, grad-input and grad-weight matmuls in int8 "
-        "(torch._int_mm) with dynamic row-wise scales; their inputs saved for backward in int8",
+        "(torch._int_mm) with dynamic row-wise scales; their inputs saved for backward in int8 "
+        "(`int8_grad_weight=bf16`: grad-weight in bf16 from that int8 input)",
+        int8_grad_weight=INT8_GRAD_WEIGHT_DEFAULT,
         summary="int8 tensor-core matmuls for the blocks' linears, bf16 elsewhere (embeddings, "
         "norms, attention, LM head), fp32 master weights",
     ),
@@ -183,6 +190,7 @@ def build_precision(
         _need_torchao(f"precision={p.name}")
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
+    _check_int8_grad_weight(cfg)
     return replace(
         p,
         tf32=cfg.tf32,
@@ -190,7 +198,27 @@ def build_precision(
         optim_dtype=_I8 if cfg.optimizer_8bit else p.optim_dtype,
         fp8_recipe=cfg.fp8_recipe,
         fp8_emulate=cfg.fp8_emulate,
+        int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
     )
+
+
+def _check_int8_grad_weight(cfg: PrecisionConfig) -> None:
+    """precision.int8_grad_weight: one of int8's modes, and set only with precision=int8."""
+    from dtrain.lowp.int8 import GRAD_WEIGHT_MODES
+
+    value = cfg.int8_grad_weight
+    if value is None:
+        return
+    if value not in GRAD_WEIGHT_MODES:
+        raise ConfigError(
+            f"precision.int8_grad_weight={value!r} is not valid; choose "
+            + " or ".join(GRAD_WEIGHT_MODES)
+        )
+    if PRECISIONS[cfg.name].quantize != "int8":
+        raise ConfigError(
+            f"precision.int8_grad_weight applies to precision=int8 only, not "
+            f"precision={cfg.name}; remove it or use precision=int8"
+        )
 
 
 # Strategies that cannot carry a module swap, and why (checked by Strategy.check).
@@ -231,7 +259,7 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
     if precision.quantize == "int8":
         from dtrain.lowp.int8 import apply_int8
 
-        apply_int8(module, block_linear_filter)
+        apply_int8(module, block_linear_filter, grad_weight=precision.int8_grad_weight or "int8")
     elif precision.quantize == "int8-torchao":
         from dtrain.lowp.torchao_ref import apply_torchao_int8
 
