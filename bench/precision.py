@@ -32,7 +32,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "fp32-tf32": ("fp32", {"tf32": True}),
     "bf16": ("bf16", {}),
     "fp16": ("fp16", {}),
-    "int8": ("int8", {}),
+    "int8": ("int8", {"int8_grad_weight": "int8"}),  # all three matmuls int8
+    # SwitchBack: grad_weight in bf16 from the saved int8 input; forward and grad_input int8
+    "int8-switchback": ("int8", {"int8_grad_weight": "bf16"}),
     "int8+adamw8bit": ("int8", {"optimizer_8bit": True}),
     "fp8": ("fp8", {}),
     "int8-torchao": ("int8-torchao", {}),
@@ -41,7 +43,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 # epilogue (a Triton template; the int32 product never reaches memory).
 EXTRA_VARIANTS: dict[str, tuple[str, dict]] = {"int8-fused": ("int8", {})}
 FUSED = ("int8-fused",)
-SMOKE_VARIANTS = ("bf16", "int8", "int8-torchao")
+SMOKE_VARIANTS = ("bf16", "int8", "int8-switchback", "int8-torchao")
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -130,6 +132,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "variant": name,
         "precision": prec_name,
         "optimizer_8bit": precision.optimizer_8bit,
+        "int8_grad_weight": precision.int8_grad_weight or None,
         "tokens_per_s": tokens_per_s,
         "step_s": timed_s / args.steps,
         "first_step_s": compile_s,

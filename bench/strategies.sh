@@ -72,10 +72,16 @@ case "${1:-all}" in
   #   DATA="data=embedded model.vocab_size=50304" STEPS=300 LOG_EVERY=50 bash bench/strategies.sh precision_loss1
   precision_loss1)
     dtrain_as loss_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true
-    dtrain_as loss_int8 strategy=fsdp precision=int8
+    dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8
     dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true ;;
   precision_loss2)
     for p in bf16 fp16 fp8; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
+  # int8 with grad_weight in bf16 (SwitchBack) against bf16 and all-int8, same settings:
+  #   DATA="data=embedded model.vocab_size=50304" STEPS=300 LOG_EVERY=50 bash bench/strategies.sh precision_switchback
+  precision_switchback)
+    dtrain_as loss_bf16 strategy=fsdp precision=bf16
+    dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16
+    dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8 ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
