@@ -18,6 +18,7 @@ from dtrain.errors import ConfigError
 from dtrain.lowp import int8 as i8
 from dtrain.model import ModelConfig, build_model
 from dtrain.precision import (
+    INT8_GRAD_WEIGHT_DEFAULT,
     PRECISIONS,
     apply_precision,
     build_precision,
@@ -48,9 +49,10 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tiny(precision: str) -> nn.Module:
+def _tiny(precision: str, grad_weight: str | None = None) -> nn.Module:
     model = build_model(TINY, CPU, seed=0)
-    apply_precision(model, PRECISIONS[precision])
+    cfg = PrecisionConfig(name=precision, int8_grad_weight=grad_weight)
+    apply_precision(model, build_precision(cfg, CPU))
     return model
 
 
@@ -58,6 +60,10 @@ def _batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, TINY.vocab_size, (2, 32), generator=g)
     return x, torch.roll(x, -1, dims=1)
+
+
+def _swapped_grad_weight_modes(model: nn.Module) -> set[str]:
+    return {m.grad_weight for m in model.modules() if isinstance(m, i8.Int8Linear)}
 
 
 # --- int8: the path is really taken --------------------------------------------------------
@@ -79,7 +85,8 @@ def test_int8_swaps_only_the_blocks_linears_and_keeps_parameters():
 
 
 def test_int8_kernel_runs_in_forward_and_both_backward_matmuls():
-    model = _tiny("int8")
+    model = _tiny("int8", grad_weight="int8")
+    assert _swapped_grad_weight_modes(model) == {"int8"}
     x, y = _batch()
     with CountOps() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x, y)
@@ -90,6 +97,100 @@ def test_int8_kernel_runs_in_forward_and_both_backward_matmuls():
     assert forward_calls == n_linears
     assert ops.counts.get("_int_mm", 0) == 2 * n_linears  # grad_input and grad_weight
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_int8_grad_weight_default_is_the_same_in_yaml_and_code():
+    from omegaconf import OmegaConf
+
+    # int8.yaml states the default; no other precision's yaml may set the key (an error there).
+    keys = {
+        f.stem: OmegaConf.load(f).get("int8_grad_weight")
+        for f in (ROOT / "conf" / "precision").glob("*.yaml")
+    }
+    assert keys.pop("int8") == INT8_GRAD_WEIGHT_DEFAULT
+    assert set(keys.values()) == {None}, keys
+    assert build_precision(PrecisionConfig(name="int8"), CPU).int8_grad_weight == (
+        INT8_GRAD_WEIGHT_DEFAULT
+    )
+    assert _swapped_grad_weight_modes(_tiny("int8")) == {INT8_GRAD_WEIGHT_DEFAULT}
+
+
+def test_int8_grad_weight_bf16_takes_one_int8_matmul_less_per_linear():
+    """SwitchBack: forward and grad_input stay on _int_mm, grad_weight is a matmul in the
+    compute dtype (one _int_mm less per linear in backward)."""
+    prec = build_precision(PrecisionConfig(name="int8", int8_grad_weight="bf16"), CPU)
+    model = build_model(TINY, CPU, seed=0)
+    apply_precision(model, prec)
+    assert _swapped_grad_weight_modes(model) == {"bf16"}
+    x, y = _batch()
+    with CountOps() as fwd, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)
+    with CountOps() as bwd:
+        loss.backward()
+    n_linears = TINY.n_layer * 7
+    assert fwd.counts.get("_int_mm", 0) == n_linears
+    assert bwd.counts.get("_int_mm", 0) == n_linears  # grad_input only
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    # Same weights, same batch: forward and grad_input are the int8 path's exactly, the
+    # swapped layers' grad_weight is not (a bf16 matmul instead of int8).
+    ref = _tiny("int8", grad_weight="int8")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(x, y)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    w1, w1_ref = model.layers["0"].ffn.w1.weight, ref.layers["0"].ffn.w1.weight
+    assert not torch.equal(w1.grad, w1_ref.grad)
+    assert torch.equal(model.output.weight.grad, ref.output.weight.grad)  # LM head untouched
+
+
+def test_int8_grad_weight_bf16_is_more_accurate_and_grad_input_stays_int8():
+    torch.manual_seed(0)
+    x = torch.randn(256, 128, requires_grad=True)
+    w = (0.02 * torch.randn(192, 128)).requires_grad_()
+    gy = torch.randn(256, 192)
+    gy[:4] *= 30  # a few tokens with large gradients, as language models have
+
+    def run(fn):
+        x.grad = w.grad = None
+        out = fn()
+        out.backward(gy)
+        return out.detach().float(), x.grad.clone(), w.grad.clone()
+
+    ref = run(lambda: F.linear(x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q8 = run(lambda: i8.int8_linear(x, w, grad_weight="int8"))
+        sb = run(lambda: i8.int8_linear(x, w, grad_weight="bf16"))
+        b = run(lambda: F.linear(x, w))
+    # forward and grad_input: the very same int8 computation
+    assert torch.equal(sb[0], q8[0]) and torch.equal(sb[1], q8[1])
+    # grad_weight: per-channel int8 rounding of dy over all tokens is gone; what is left is
+    # the int8 input's (per token), so it stays below bf16's accuracy but well above int8's.
+    snr_q8, snr_sb, snr_b = (snr_db(ref[2], r[2]) for r in (q8, sb, b))
+    assert snr_sb > snr_q8 + 6, (snr_q8, snr_sb)
+    assert snr_sb < snr_b, (snr_sb, snr_b)
+    assert not torch.equal(sb[2], b[2])
+
+
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+def test_int8_linear_compiles_in_one_graph_forward_and_backward(grad_weight):
+    """fullgraph=True: no graph break in either grad_weight mode (aot_eager traces forward and
+    backward as Inductor would, without its slow CPU code generation)."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    i8.apply_int8(model, lambda m, n: True, grad_weight=grad_weight)
+    x = torch.randn(4, 32, 64)
+
+    def loss_fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().pow(2).mean()
+
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    compiled(x).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_fn(x).backward()
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-5)
 
 
 def test_int8_linear_accuracy_vs_fp32_and_not_bf16():
@@ -275,6 +376,8 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=fp8"], "fp8_emulate=true"),
         (["precision=fp8", "precision.fp8_recipe=blockwise"], "tensorwise or rowwise"),
         (["precision=fp64"], "valid choices"),
+        (["precision=int8", "precision.int8_grad_weight=fp16"], "choose int8 or bf16"),
+        (["precision=bf16", "+precision.int8_grad_weight=bf16"], "precision=int8 only"),
     ],
 )
 def test_bad_precisions_are_config_errors(tmp_path, overrides, message):
