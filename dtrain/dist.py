@@ -84,6 +84,9 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        # DeepSpeed's engine asserts that a launcher set LOCAL_RANK.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     if (world > 1 or force_group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(

@@ -254,3 +254,12 @@ def test_zero3_checkpoint_moves_to_fsdp(runs, tmp_path):
         )
     )
     assert_close(train_losses(runs.get("zero3")), train_losses(run), range(11, 21))
+
+
+@needs_deepspeed
+def test_zero_runs_as_one_process_without_torchrun(tmp_path):
+    """`python launch/train.py strategy=zero2`: a group of one, with the LOCAL_RANK that
+    DeepSpeed's engine asserts a launcher set (it crashed without it)."""
+    res = launch(*FAST, "strategy=zero2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
+    _ok(res)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r][-1] == 2
