@@ -107,7 +107,15 @@ class DeepSpeedStrategy(Strategy):
         with 6 GiB less memory per GPU (docs/benchmarks.md)."""
         if self.cfg.deepcompile is not None:
             return self.cfg.deepcompile
-        return self.device.type == "cuda" and self.stage == 3 and self.cfg.compile is not False
+        # Only where it was measured: not with ZeRO-Offload (DeepCompile has offload passes
+        # of its own that dtrain does not drive).
+        offload = self.cfg.offload_params or self.cfg.offload_optimizer
+        return (
+            self.device.type == "cuda"
+            and self.stage == 3
+            and self.cfg.compile is not False
+            and not offload
+        )
 
     @property
     def compile_enabled(self) -> bool:
