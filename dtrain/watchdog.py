@@ -46,6 +46,10 @@ class Heartbeat:
         self._step_since = time.time()
         self._reported = False
         self._stop = threading.Event()
+        # A new step wakes the beat early (at most every interval/10): a rank that stops right
+        # after fast steps must still have told which step it reached.
+        self._wake = threading.Event()
+        self._last_beat = 0.0
         self.store = dist.distributed_c10d._get_default_store()
         self._beat()
         self.thread = threading.Thread(target=self._loop, name="dtrain-heartbeat", daemon=True)
@@ -54,13 +58,20 @@ class Heartbeat:
     def set_step(self, step: int) -> None:
         if step != self.step:
             self.step, self._step_since = step, time.time()
+            if self._step_since - self._last_beat > self.interval / 10:
+                self._wake.set()
 
     def _beat(self) -> None:
+        self._last_beat = time.time()
         value = {"step": self.step, "host": self.host, "pid": os.getpid(), "time": time.time()}
         self.store.set(KEY.format(rank=self.rank), json.dumps(value))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
                 stalled = time.time() - self._step_since
@@ -119,3 +130,4 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
