@@ -9,45 +9,30 @@ usual mode); --compile compiles the engine.
     torchrun --nproc_per_node=2 bench/deepspeed_loop.py --model 1b --stage 3 --out $OUT/ds_z3.json
     torchrun --nproc_per_node=2 bench/deepspeed_loop.py --smoke     # CPU (gloo), tiny model
 
-Prints and writes one JSON object shaped like bench/plain_loop.py's.
+Prints and writes one JSON object (bench/loop_harness.py), like bench/plain_loop.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from loop_harness import add_common_args, apply_smoke, model_config, report, time_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.config import compose  # noqa: E402  (only to read the model preset)
-from dtrain.model import build_model, flops_per_token  # noqa: E402
-
-PEAK = 989e12  # H100/H200 SXM dense bf16
+from dtrain.model import build_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="1b")
+    add_common_args(ap, "tiny model on CPU (gloo), 3 steps")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo), 3 steps")
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.seq_len, args.micro_batch, args.vocab = "tiny", 64, 2, 320
-        args.warmup, args.steps, args.compile = 1, 2, False
+        apply_smoke(args)
+        args.compile = False
 
     import deepspeed
 
@@ -60,8 +45,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     deepspeed.init_distributed("nccl" if cuda else "gloo")
 
-    mcfg = compose([f"model={args.model}"]).model
-    mcfg.vocab_size = args.vocab
+    mcfg = model_config(args)
     model = build_model(mcfg, device, seed=0)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -93,48 +77,20 @@ def main() -> None:
         engine.step()
         return loss
 
-    for _ in range(args.warmup):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tok_s = args.steps * args.micro_batch * args.seq_len * world / dt
-    mem = {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-    }
-    mems = [None] * world
-    dist.all_gather_object(mems, mem)
-    fpt = flops_per_token(mcfg, args.seq_len)
-    result = {
-        "loop": "deepspeed",
-        "wrapper": f"zero{args.stage}",
-        "model": args.model,
-        "world_size": world,
-        "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch,
-        "compiled": args.compile,
-        "deepspeed": deepspeed.__version__,
-        "tokens_per_s": tok_s,
-        "tokens_per_s_per_gpu": tok_s / world,
-        "mfu": tok_s / world * fpt / PEAK if cuda else None,
-        "memory_per_rank": mems,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "final_loss": loss.item(),
-    }
-    if rank == 0:
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    seconds, loss = time_steps(step, args.warmup, args.steps, cuda)
+    report(
+        args,
+        loop="deepspeed",
+        wrapper=f"zero{args.stage}",
+        compiled=args.compile,
+        world=world,
+        is_main=rank == 0,
+        mcfg=mcfg,
+        seconds=seconds,
+        loss=loss,
+        cuda=cuda,
+        extra={"deepspeed": deepspeed.__version__},
+    )
     dist.destroy_process_group()
 
 

@@ -10,26 +10,18 @@ documented way: torch.compile, then fabric.setup) unless --no-compile; DeepSpeed
     torchrun --nproc_per_node=2 bench/fabric_loop.py --model 1b --strategy deepspeed_stage_2 ...
     torchrun --nproc_per_node=2 bench/fabric_loop.py --smoke --strategy ddp   # CPU, tiny model
 
-Prints and writes one JSON object shaped like bench/plain_loop.py's.
+Prints and writes one JSON object (bench/loop_harness.py), like bench/plain_loop.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
 import torch
+from loop_harness import add_common_args, apply_smoke, model_config, report, time_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.config import compose  # noqa: E402  (only to read the model preset)
-from dtrain.model import Block, build_model, flops_per_token  # noqa: E402
-
-PEAK = 989e12  # H100/H200 SXM dense bf16
+from dtrain.model import Block, build_model
 
 
 def build_fabric_strategy(name: str):
@@ -44,20 +36,13 @@ def build_fabric_strategy(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="1b")
+    add_common_args(ap, "tiny model on CPU, 3 steps")
     ap.add_argument("--strategy", choices=["ddp", "fsdp", "deepspeed_stage_2"], default="ddp")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps")
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.seq_len, args.micro_batch, args.vocab = "tiny", 64, 2, 320
-        args.warmup, args.steps, args.no_compile = 1, 2, True
+        apply_smoke(args)
+        args.no_compile = True
 
     from lightning.fabric import Fabric
 
@@ -73,8 +58,7 @@ def main() -> None:
     fabric.launch()  # under torchrun: joins the process group torchrun describes
     device = fabric.device
 
-    mcfg = compose([f"model={args.model}"]).model
-    mcfg.vocab_size = args.vocab
+    mcfg = model_config(args)
     compiled = not args.no_compile and args.strategy != "deepspeed_stage_2"
     if args.strategy == "fsdp":
         with fabric.init_module(empty_init=False):
@@ -111,52 +95,19 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    world = fabric.world_size
-    tok_s = args.steps * args.micro_batch * args.seq_len * world / dt
-    mem = {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-    }
-    import torch.distributed as dist
-
-    mems = [mem]
-    if dist.is_initialized():
-        mems = [None] * world
-        dist.all_gather_object(mems, mem)
-    fpt = flops_per_token(mcfg, args.seq_len)
-    result = {
-        "loop": "fabric",
-        "wrapper": args.strategy,
-        "model": args.model,
-        "world_size": world,
-        "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch,
-        "compiled": compiled,
-        "tokens_per_s": tok_s,
-        "tokens_per_s_per_gpu": tok_s / world,
-        "mfu": tok_s / world * fpt / PEAK if cuda else None,
-        "memory_per_rank": mems,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "final_loss": loss.item(),
-    }
-    if fabric.global_rank == 0:
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    seconds, loss = time_steps(step, args.warmup, args.steps, cuda)
+    report(
+        args,
+        loop="fabric",
+        wrapper=args.strategy,
+        compiled=compiled,
+        world=fabric.world_size,
+        is_main=fabric.global_rank == 0,
+        mcfg=mcfg,
+        seconds=seconds,
+        loss=loss,
+        cuda=cuda,
+    )
 
 
 if __name__ == "__main__":

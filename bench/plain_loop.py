@@ -14,39 +14,24 @@ Prints and writes one JSON object: tokens/s (all ranks), per GPU, MFU, peak memo
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from loop_harness import add_common_args, apply_smoke, model_config, report, time_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.config import compose  # noqa: E402  (only to read the model preset)
-from dtrain.model import build_model, flops_per_token  # noqa: E402
-
-PEAK = 989e12  # H100/H200 SXM dense bf16
+from dtrain.model import build_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="1b")
+    add_common_args(ap, "tiny model on CPU, 3 steps")
     ap.add_argument("--wrapper", choices=["none", "ddp", "fsdp"], default="none")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps")
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.seq_len, args.micro_batch, args.vocab = "tiny", 64, 2, 320
-        args.warmup, args.steps, args.no_compile = 1, 2, True
+        apply_smoke(args)
+        args.no_compile = True
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -58,8 +43,7 @@ def main() -> None:
     if args.wrapper != "none":
         dist.init_process_group("nccl" if cuda else "gloo")
 
-    mcfg = compose([f"model={args.model}"]).model
-    mcfg.vocab_size = args.vocab
+    mcfg = model_config(args)
     model = build_model(mcfg, device, seed=0)
     if args.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -102,49 +86,19 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    loss.item()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tok_s = args.steps * args.micro_batch * args.seq_len * world / dt
-    mem = {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-    }
-    mems = [mem]
-    if dist.is_initialized():
-        mems = [None] * world
-        dist.all_gather_object(mems, mem)
-    fpt = flops_per_token(mcfg, args.seq_len)
-    result = {
-        "loop": "plain",
-        "wrapper": args.wrapper,
-        "model": args.model,
-        "world_size": world,
-        "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch,
-        "compiled": not args.no_compile,
-        "tokens_per_s": tok_s,
-        "tokens_per_s_per_gpu": tok_s / world,
-        "mfu": tok_s / world * fpt / PEAK if cuda else None,
-        "memory_per_rank": mems,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "final_loss": loss.item(),
-    }
-    if rank == 0:
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    seconds, loss = time_steps(step, args.warmup, args.steps, cuda)
+    report(
+        args,
+        loop="plain",
+        wrapper=args.wrapper,
+        compiled=not args.no_compile,
+        world=world,
+        is_main=rank == 0,
+        mcfg=mcfg,
+        seconds=seconds,
+        loss=loss,
+        cuda=cuda,
+    )
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -39,3 +39,10 @@ def test_deepspeed_loop_smoke():
 def test_fabric_loop_smoke():
     out = torchrun("fabric_loop.py", "--strategy", "ddp")
     assert out["loop"] == "fabric" and out["world_size"] == 2 and out["final_loss"] > 0
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_plain_loop_smoke(wrapper):
+    out = torchrun("plain_loop.py", "--wrapper", wrapper)
+    assert out["loop"] == "plain" and out["wrapper"] == wrapper and out["world_size"] == 2
+    assert len(out["memory_per_rank"]) == 2 and out["tokens_per_s"] > 0
