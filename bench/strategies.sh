@@ -7,39 +7,19 @@
 #   OUT=/tmp/out bash bench/strategies.sh baselines  # only the plain / DeepSpeed / Fabric loops
 # Each writes $OUT/<loop>_<wrapper>.json (tokens/s, per GPU, MFU, peak memory per rank).
 set -uo pipefail
-source bench/gpu_setup.sh
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-MODEL=${MODEL:-1b}; STEPS=${STEPS:-40}
+source bench/common.sh
 TR="torchrun --standalone --nproc_per_node=2"
-DATA=${DATA:-data=synthetic}
-COMMON="model=$MODEL $DATA trainer.seq_len=2048 trainer.micro_batch_size=8
-  trainer.max_steps=$STEPS trainer.log_every=${LOG_EVERY:-10} trainer.eval_every=0 checkpoint.save_final=false
-  trainer.progress_bar=false optim.warmup_steps=10"
 dtrain() {  # $1 = strategy
   dtrain_as $1 strategy=$1
 }
 dtrain_as() {  # $1 = result name, then overrides (strategy=... and any others)
   local name=$1; shift
-  rm -rf /tmp/runs/$name
-  case " $* " in *" precision="*) ;; *) set -- "$@" precision=bf16 ;; esac
-  $TR launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/dtrain_$name.log 2>&1
-  tail -2 $OUT/dtrain_$name.log
-  python3 bench/dtrain_result.py /tmp/runs/$name --out $OUT/dtrain_$name.json
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('config',0); print(json.dumps(d))" \
-    $OUT/dtrain_$name.json
+  dtrain_run dtrain_$name 2 "$@"
 }
 baselines() {
-  for w in ddp fsdp; do
-    $TR bench/plain_loop.py --model $MODEL --wrapper $w --out $OUT/plain_$w.json 2>&1 | tail -1
-  done
-  for s in 2 3; do
-    $TR bench/deepspeed_loop.py --model $MODEL --stage $s --out $OUT/deepspeed_zero$s.json \
-      > $OUT/deepspeed_zero$s.log 2>&1; tail -1 $OUT/deepspeed_zero$s.log
-  done
-  for f in ddp fsdp deepspeed_stage_2; do
-    $TR bench/fabric_loop.py --model $MODEL --strategy $f --out $OUT/fabric_$f.json \
-      > $OUT/fabric_$f.log 2>&1; tail -1 $OUT/fabric_$f.log
-  done
+  for w in ddp fsdp; do plain $w; done
+  for s in 2 3; do deepspeed_plain $s; done
+  for f in ddp fsdp deepspeed_stage_2; do fabric $f; done
 }
 plain() {  # $1 = wrapper of bench/plain_loop.py
   $TR bench/plain_loop.py --model $MODEL --wrapper $1 --out $OUT/plain_$1.json 2>&1 | tail -1
@@ -52,8 +32,6 @@ fabric() {  # $1 = Fabric strategy
   $TR bench/fabric_loop.py --model $MODEL --strategy $1 --out $OUT/fabric_$1.json \
     > $OUT/fabric_$1.log 2>&1; tail -1 $OUT/fabric_$1.log
 }
-# DeepSpeed's FusedAdam JIT build fails with the box's default TORCH_CUDA_ARCH_LIST=9.0a.
-export TORCH_CUDA_ARCH_LIST=9.0
 case "${1:-all}" in
   # The full set in two calls of under 10 minutes each (the device's per-command limit).
   part1) plain ddp; dtrain ddp; plain fsdp; dtrain fsdp; dtrain zero2; dtrain zero3 ;;

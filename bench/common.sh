@@ -1,0 +1,23 @@
+# Sourced by the GPU benchmark scripts (core.sh, scaling.sh, strategies.sh): the box's set-up,
+# the dtrain overrides every benchmark run shares, and one way to run dtrain and summarise it.
+# MODEL, STEPS, DATA and LOG_EVERY change the shared overrides; OUT is where results go.
+source bench/gpu_setup.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+MODEL=${MODEL:-1b}; STEPS=${STEPS:-40}
+DATA=${DATA:-data=synthetic}
+COMMON="model=$MODEL $DATA trainer.seq_len=2048 trainer.micro_batch_size=8
+  trainer.max_steps=$STEPS trainer.log_every=${LOG_EVERY:-10} trainer.eval_every=0
+  checkpoint.save_final=false trainer.progress_bar=false optim.warmup_steps=10"
+# DeepSpeed's FusedAdam JIT build fails with the box's default TORCH_CUDA_ARCH_LIST=9.0a.
+export TORCH_CUDA_ARCH_LIST=9.0
+
+dtrain_run() {  # $1 = result name, $2 = processes, then overrides (strategy=..., bf16 unless set)
+  local name=$1 n=$2; shift 2
+  local L="python3"; [ "$n" -gt 1 ] && L="torchrun --standalone --nproc_per_node=$n"
+  case " $* " in *" precision="*) ;; *) set -- "$@" precision=bf16 ;; esac
+  rm -rf /tmp/runs/$name
+  $L launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/$name.log 2>&1
+  tail -2 $OUT/$name.log
+  # Prints the run's summary (one JSON line) and writes it to $OUT/$name.json.
+  python3 bench/dtrain_result.py /tmp/runs/$name --out $OUT/$name.json
+}
