@@ -143,24 +143,34 @@ def test_int8_grad_weight_bf16_takes_one_int8_matmul_less_per_linear():
     assert torch.equal(model.output.weight.grad, ref.output.weight.grad)  # LM head untouched
 
 
-def test_int8_grad_weight_bf16_is_more_accurate_and_grad_input_stays_int8():
+def _linear_outputs_and_grads(*linears, loud_tokens: int = 0):
+    """(output, grad_input, grad_weight) of one (256 x 128) @ (128 x 192) linear: in fp32 first,
+    then through each of `linears` and through F.linear under bf16 autocast, last. The first
+    `loud_tokens` tokens get 30x larger output gradients."""
     torch.manual_seed(0)
     x = torch.randn(256, 128, requires_grad=True)
     w = (0.02 * torch.randn(192, 128)).requires_grad_()
     gy = torch.randn(256, 192)
-    gy[:4] *= 30  # a few tokens with large gradients, as language models have
+    gy[:loud_tokens] *= 30
 
     def run(fn):
         x.grad = w.grad = None
-        out = fn()
+        out = fn(x, w)
         out.backward(gy)
         return out.detach().float(), x.grad.clone(), w.grad.clone()
 
-    ref = run(lambda: F.linear(x, w))
+    ref = run(F.linear)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        q8 = run(lambda: i8.int8_linear(x, w, grad_weight="int8"))
-        sb = run(lambda: i8.int8_linear(x, w, grad_weight="bf16"))
-        b = run(lambda: F.linear(x, w))
+        return (ref, *(run(fn) for fn in linears), run(F.linear))
+
+
+def test_int8_grad_weight_bf16_is_more_accurate_and_grad_input_stays_int8():
+    # a few tokens with large gradients, as language models have
+    ref, q8, sb, b = _linear_outputs_and_grads(
+        lambda x, w: i8.int8_linear(x, w, grad_weight="int8"),
+        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16"),
+        loud_tokens=4,
+    )
     # forward and grad_input: the very same int8 computation
     assert torch.equal(sb[0], q8[0]) and torch.equal(sb[1], q8[1])
     # grad_weight: per-channel int8 rounding of dy over all tokens is gone; what is left is
@@ -194,21 +204,7 @@ def test_int8_linear_compiles_in_one_graph_forward_and_backward(grad_weight):
 
 
 def test_int8_linear_accuracy_vs_fp32_and_not_bf16():
-    torch.manual_seed(0)
-    x = torch.randn(256, 128, requires_grad=True)
-    w = (0.02 * torch.randn(192, 128)).requires_grad_()
-    gy = torch.randn(256, 192)
-
-    def run(fn):
-        x.grad = w.grad = None
-        out = fn()
-        out.backward(gy)
-        return out.detach().float(), x.grad.clone(), w.grad.clone()
-
-    ref = run(lambda: F.linear(x, w))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        q = run(lambda: i8.int8_linear(x, w))
-        b = run(lambda: F.linear(x, w))
+    ref, q, b = _linear_outputs_and_grads(i8.int8_linear)
     for name, r, qi, bi in zip(("output", "grad_input", "grad_weight"), ref, q, b, strict=True):
         assert 20 < snr_db(r, qi) < 60, (name, snr_db(r, qi))
         assert not torch.equal(qi, bi), name  # really not the bf16 path
