@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.attention import check_kernel
 from dtrain.errors import ConfigError
 from dtrain.model import ModelConfig
 
@@ -118,6 +119,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     progress_bar: bool = True
     device: str = "auto"  # auto | cpu | cuda
+    # The kernel scaled_dot_product_attention tries first (dtrain.attention): auto (torch's
+    # pick) | cudnn | flash | efficient | math.
+    attention_kernel: str = "auto"
     # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
     # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
     on_nonfinite: str = "stop"  # skip | stop
@@ -330,6 +334,7 @@ def validate(cfg: TrainConfig) -> None:
             )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"trainer.device={t.device!r} is not valid; choose auto, cpu or cuda")
+    check_kernel(t.attention_kernel)
     for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
         _positive(getattr(m, key), f"model.{key}")
     _positive(m.n_kv_head, "model.n_kv_head")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dtrain import dist as ddist
+from dtrain.attention import attention_kernel
 from dtrain.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
@@ -272,7 +273,8 @@ def run(cfg: TrainConfig) -> dict:
     # raised half-way must not leave this run's handler behind for the next one in-process).
     stop = StopSignal(env.device, env.distributed, cfg.trainer.stop_signals)
     try:
-        return _run(cfg, env, stop, heartbeat=heartbeat)
+        with attention_kernel(cfg.trainer.attention_kernel, env.device):
+            return _run(cfg, env, stop, heartbeat=heartbeat)
     except RuntimeError as e:
         from dtrain.watchdog import is_timeout
 

@@ -1,4 +1,5 @@
-"""The baseline loops for the strategies benchmark run (CPU smoke mode, 2 ranks, gloo)."""
+"""The benchmark scripts run: the baseline loops of the strategies benchmark (CPU smoke mode,
+2 ranks, gloo) and the attention-kernel benchmark."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def test_plain_loop_smoke(wrapper):
     out = torchrun("plain_loop.py", "--wrapper", wrapper)
     assert out["loop"] == "plain" and out["wrapper"] == wrapper and out["world_size"] == 2
     assert len(out["memory_per_rank"]) == 2 and out["tokens_per_s"] > 0
+
+
+def test_attention_kernels_bench_smoke(tmp_path):
+    """bench/attention_kernels.py: one line per kernel choice, each close to fp32 math."""
+    from dtrain.attention import KERNELS
+
+    out = tmp_path / "k.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "attention_kernels.py"), "--smoke", "--out", out]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["kernel"] for x in lines] == list(KERNELS)
+    for x in lines:
+        assert x["kernels"] and max(x["max_rel_err_vs_fp32_math"].values()) < 1e-4, x
