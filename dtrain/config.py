@@ -393,7 +393,7 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         parse_init_from(m.init_from)
 
 
-COMPILE_SCOPES = ("model", "blocks")
+COMPILE_SCOPES = ("model", "blocks", "inner")
 
 
 def _validate_strategy(s: StrategyConfig) -> None:

@@ -717,16 +717,23 @@ def test_8bit_adamw_moments_are_what_torchao_keeps():
     assert planned == measured
 
 
-def test_ddp_on_cuda_carries_its_measured_extra_gradient_buffers():
-    """The empirical DDP term (memory.DDP_EXTRA_GRAD_BUFFERS): on CUDA with 2+ ranks only,
-    sized by the gradient bytes, and named in the notes."""
+def test_ddp_with_small_buckets_carries_its_measured_extra_gradient_buffers():
+    """The empirical DDP term (memory.DDP_EXTRA_GRAD_BUFFERS): on CUDA with 2+ ranks and
+    buckets under DDP_SMALL_BUCKET_MB only, sized by the gradient bytes, named in the notes;
+    dtrain's default 400 MB buckets (measured without it on GPU) carry none."""
     from dtrain.memory import DDP_EXTRA_GRAD_BUFFERS
 
     cfg = ModelConfig(n_layer=2, n_head=4, d_model=256, vocab_size=50304)
-    base = MemorySetup("ddp", BF16, 2, 4, 512, device="cuda")
+    base = MemorySetup("ddp", BF16, 2, 4, 512, device="cuda", ddp_bucket_mb=25)
     ddp = plan_memory(cfg, base)
     one = plan_memory(cfg, replace(base, world_size=1))
     cpu = plan_memory(cfg, replace(base, device="cpu"))
+    big = plan_memory(cfg, replace(base, ddp_bucket_mb=400))
     assert ddp.transient_bytes - one.transient_bytes == DDP_EXTRA_GRAD_BUFFERS * ddp.grads_bytes
+    assert big.transient_bytes == one.transient_bytes
     assert any("empirical" in n for n in ddp.notes)
-    assert not any("empirical" in n for n in one.notes + cpu.notes)
+    assert not any("empirical" in n for n in one.notes + cpu.notes + big.notes)
+    # The run's own setup carries the configured bucket size.
+    from dtrain.memory import setup_from_config
+
+    assert setup_from_config(compose(*FAST, "strategy=ddp"), BF16, 2, "cuda").ddp_bucket_mb == 400

@@ -50,6 +50,7 @@ BAD = [
     (["strategy=zero2", "strategy.offload_params=true"], 2, "needs ZeRO stage 3"),
     (["strategy=fsdp", "strategy.compile_scope=model"], 2, "does not apply to strategy=fsdp"),
     (["strategy=ddp", "strategy.deepcompile=true"], 2, "does not apply to strategy=ddp"),
+    (["strategy=single", "strategy.compile_scope=inner"], 1, "choose model, blocks"),
     (["strategy=zero2", "strategy.deepcompile=true"], 2, "stages 1 and 3 only"),
     (["strategy=zero3", "strategy.deepcompile=true"], 2, "needs CUDA"),
     (
@@ -73,7 +74,7 @@ def test_bad_strategy_options_are_refused(overrides, world, message):
     [
         (["strategy=deepspeed", "strategy.stage=4"], "strategy.stage=4 is not a ZeRO stage"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], "choose none, full"),
-        (["strategy=ddp", "strategy.compile_scope=graph"], "choose model, blocks"),
+        (["strategy=ddp", "strategy.compile_scope=graph"], "choose model, blocks, inner"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
@@ -99,11 +100,13 @@ def test_deepcompile_goes_into_deepspeeds_config():
         ("single", None, True, False),
         ("single", "blocks", False, True),
         ("ddp", None, True, False),
+        ("ddp", "inner", True, False),
         ("ddp", "blocks", False, True),
     ],
 )
 def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole, blocks):
-    """`model` compiles one graph; `blocks` compiles each block in place and the loss apart."""
+    """`model` compiles one graph; `blocks` compiles each block in place and the loss apart;
+    ddp's `inner` compiles the model and wraps the compiled module, `model` the other way."""
     import torch.distributed as dist
 
     from dtrain.model import lm_loss
@@ -123,13 +126,18 @@ def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole,
     s = build_strategy(cfg.strategy, PRECISIONS["fp32"], env(1))
     if name == "ddp":
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
-        monkeypatch.setattr("dtrain.strategies.ddp.DDP", lambda module, **kw: module)
+        monkeypatch.setattr(
+            "dtrain.strategies.ddp.DDP", lambda module, **kw: compiled.append("ddp") or module
+        )
     cfg.model.vocab_size = 64
     s.setup(cfg.model, cfg.optim, seed=0)
     layers = list(s.module.layers.values())
     assert (s.module in compiled) == whole
     assert all(b in compiled for b in layers) == blocks
     assert (lm_loss in compiled) == blocks
+    if name == "ddp" and whole:  # `inner` compiles before wrapping, `model` after
+        order = ["ddp", s.module] if scope is None else [s.module, "ddp"]
+        assert [c for c in compiled if c is s.module or c == "ddp"] == order
 
 
 def test_without_deepspeed_zero_says_how_to_install(monkeypatch):

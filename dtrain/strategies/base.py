@@ -114,6 +114,7 @@ class Strategy:
     )
     needs_distributed = False
     options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
+    scopes: tuple[str, ...] = ("model", "blocks")  # its strategy.compile_scope values
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.cfg, self.precision, self.env = cfg, precision, env
@@ -145,6 +146,12 @@ class Strategy:
                     f"strategy.{key}={getattr(self.cfg, key)!r} does not apply to "
                     f"strategy={self.name}; its options: {honoured}"
                 )
+        scope = self.cfg.compile_scope
+        if scope is not None and "compile_scope" in self.options and scope not in self.scopes:
+            raise ConfigError(
+                f"strategy.compile_scope={scope!r} does not apply to strategy={self.name}; "
+                f"choose {', '.join(self.scopes)}"
+            )
 
     @property
     def compile_enabled(self) -> bool:
