@@ -77,6 +77,9 @@ class PrecisionConfig:
     fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
+    # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
+    # None: the precision's own (fp32 master gradients are reduced in fp32).
+    reduce_dtype: str | None = None
 
 
 @dataclass

@@ -38,6 +38,8 @@ class Precision:
     # Which matmuls run in a narrower format than compute_dtype: "" (none), "int8" (dtrain's
     # int8 linears), "int8-torchao" (torchao's module swap, the reference), "fp8" (torchao).
     quantize: str = ""
+    # precision.reduce_dtype was set (a strategy that reduces nothing refuses it).
+    reduce_override: bool = False
     quantized: str = "nothing"  # for people: what exactly is quantized
     optimizer_8bit: bool = False  # torchao AdamW8bit: moments in int8 with block-wise scales
     fp8_recipe: str = "tensorwise"
@@ -195,6 +197,7 @@ def build_precision(
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     _check_int8_grad_weight(cfg)
+    reduce_dtype = _reduce_dtype(cfg, p)
     return replace(
         p,
         tf32=cfg.tf32,
@@ -203,7 +206,25 @@ def build_precision(
         fp8_recipe=cfg.fp8_recipe,
         fp8_emulate=cfg.fp8_emulate,
         int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
+        reduce_dtype=reduce_dtype or p.reduce_dtype,
+        reduce_override=reduce_dtype is not None,
     )
+
+
+def _reduce_dtype(cfg: PrecisionConfig, p: Precision) -> torch.dtype | None:
+    """precision.reduce_dtype: fp32, or the 16-bit dtype this precision computes in (reducing
+    gradients in it halves the bytes on the wire; Lightning's "bf16-mixed" FSDP does so)."""
+    if cfg.reduce_dtype is None:
+        return None
+    choices = {"fp32": _F32}
+    if p.compute_dtype != _F32:
+        choices[_DTYPE_NAMES[p.compute_dtype]] = p.compute_dtype
+    if cfg.reduce_dtype not in choices:
+        raise ConfigError(
+            f"precision.reduce_dtype={cfg.reduce_dtype!r} is not valid with "
+            f"precision={p.name}; choose {' or '.join(choices)}"
+        )
+    return choices[cfg.reduce_dtype]
 
 
 def _check_int8_grad_weight(cfg: PrecisionConfig) -> None:
@@ -231,6 +252,11 @@ _DEEPSPEED_PREFIXES = ("deepspeed", "zero")
 
 def check_strategy(precision: Precision, strategy: str) -> None:
     """Refuse a precision that the named strategy cannot honour, with the reason."""
+    if precision.reduce_override and strategy == "single":
+        raise ConfigError(
+            "precision.reduce_dtype sets how gradients are reduced across ranks; strategy=single "
+            "reduces none: remove it, or use strategy=ddp, fsdp, hsdp or zero1-3"
+        )
     if precision.quantize and strategy.startswith(_DEEPSPEED_PREFIXES):
         raise ConfigError(
             f"precision={precision.name} is not supported with strategy={strategy}: DeepSpeed "
