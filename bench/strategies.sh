@@ -41,6 +41,26 @@ case "${1:-all}" in
   part3) dtrain ddp; plain ddp; dtrain fsdp; plain fsdp
          dtrain_as zero3_deepcompile strategy=zero3 strategy.deepcompile=true; dtrain zero3
          dtrain_as ddp_model strategy=ddp strategy.compile_scope=model ;;
+  # Kernel and compile choices against the baselines of the same wrapper: the attention kernels
+  # at the 1b shape, then DDP's compile scopes and cuDNN attention with torch's 25 MB buckets
+  # (DDP's default then), and 200 MB buckets (part4); 400/1000 MB buckets and FSDP's
+  # reshard_after_forward=false (part5). (When part4 ran, attention_kernel=auto was named torch.)
+  part4) python3 bench/attention_kernels.py --out $OUT/attention_kernels.jsonl
+         B25="strategy=ddp strategy.bucket_cap_mb=25"
+         dtrain_as ddp_inner $B25 strategy.compile_scope=inner
+         dtrain_as ddp_cudnn $B25 trainer.attention_kernel=cudnn
+         dtrain_as ddp_torch $B25; fabric ddp; plain ddp
+         dtrain_as ddp_inner_cudnn $B25 strategy.compile_scope=inner trainer.attention_kernel=cudnn
+         dtrain_as ddp_bucket200 strategy=ddp strategy.bucket_cap_mb=200 ;;
+  part5) for mb in 400 1000; do dtrain_as ddp_bucket$mb strategy=ddp strategy.bucket_cap_mb=$mb; done
+         plain ddp; fabric ddp
+         dtrain fsdp; dtrain_as fsdp_noreshard strategy=fsdp strategy.reshard_after_forward=false
+         plain fsdp; fabric fsdp ;;
+  # After part4/part5: DDP's 400 MB buckets as the default, and precision.reduce_dtype=bf16
+  # (Lightning's "bf16-mixed" FSDP reduces in bf16) for both wrappers, with the baselines.
+  part6) dtrain_as fsdp_reduce_bf16 strategy=fsdp precision.reduce_dtype=bf16; fabric fsdp
+         dtrain ddp; fabric ddp; dtrain fsdp
+         dtrain_as ddp_reduce_bf16 strategy=ddp precision.reduce_dtype=bf16; plain fsdp; plain ddp ;;
   # Issue 5: every precision under fsdp on 2 GPUs (bf16 is part3's dtrain fsdp).
   precision_fsdp)
     for p in fp16 int8 fp8; do dtrain_as fsdp_$p strategy=fsdp precision=$p; done
