@@ -439,3 +439,30 @@ def test_fsdp_fp16_builds_a_foreach_adamw_beside_the_sharded_scaler():
     assert sharded_scaler_optim(PRECISIONS["fp16"], OptimConfig(fused=True)).fused is False
     for name in ("bf16", "fp32", "int8"):
         assert sharded_scaler_optim(PRECISIONS[name], OptimConfig(fused=None)).fused is None
+
+
+def test_fp16_steps_under_fsdp_with_two_ranks(tmp_path):
+    """fsdp's fp16 path (ShardedGradScaler, foreach AdamW, the DTensor gradient norm) steps on
+    two ranks: three clean steps, no overflow counted, the same scale on both ranks. (On 2x H100
+    this crashed at the first step: the DTensor norm met the scaler's plain counter.)"""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    worker = ROOT / "tests" / "fsdp_fp16_worker.py"
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(worker), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    outs = [(tmp_path / f"rank{r}.txt").read_text().split("] ") for r in (0, 1)]
+    for losses, rest in outs:
+        assert len(losses.strip("[").split(",")) == 3
+        overflow, scale = map(float, rest.split())
+        assert overflow == 0 and scale == 2.0**16

@@ -215,18 +215,19 @@ class Strategy:
             norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
         else:
             norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # FSDP's norm is a DTensor (the shards' norms, reduced when read): make it one tensor
+        # before it meets plain ones (the scaler's overflow count, the non-finite guard).
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         if self.loss_scaler is not None:
             self.loss_scaler.step(self.optimizer, norm)  # skipped if a gradient overflowed
         elif self.nonfinite is not None:  # skips the update if the global norm is NaN/inf
-            self.nonfinite.step(
-                self.optimizer, norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            )
+            self.nonfinite.step(self.optimizer, norm)
         else:
             self.optimizer.step()
         if self._state_bytes is None and self.optimizer.state:  # grads + states exist now
             self._state_bytes = self.measure_state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm
 
     def step_metrics(self) -> dict[str, float]:
         """Extra scalars for the logs (fp16: train/overflow_steps, train/loss_scale)."""
