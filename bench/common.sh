@@ -3,6 +3,21 @@
 # MODEL, STEPS, DATA and LOG_EVERY change the shared overrides; OUT is where results go.
 source bench/gpu_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The device returns at most 8 files a call: at exit (a timeout's TERM too) every result and
+# log in $OUT, and each dtrain run's metrics.jsonl, config and TensorBoard events (what
+# `python -m dtrain.cli.compare` reads), go into one archive, $OUT/results.tgz.
+pack_results() {
+  local keep=/tmp/bench_keep; rm -rf $keep; mkdir -p $keep/runs
+  find "$OUT" -maxdepth 1 -type f ! -name results.tgz -exec mv {} $keep/ \;
+  for d in /tmp/runs/*/; do
+    [ -f "$d/metrics.jsonl" ] || continue
+    mkdir -p $keep/runs/$(basename $d)
+    (cd $d && cp -r --parents metrics.jsonl .hydra tensorboard $keep/runs/$(basename $d)/ 2>/dev/null)
+  done
+  tar czf "$OUT/results.tgz" -C $keep . && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
+}
+trap pack_results EXIT
+trap 'exit 143' TERM
 MODEL=${MODEL:-1b}; STEPS=${STEPS:-40}
 DATA=${DATA:-data=synthetic}
 COMMON="model=$MODEL $DATA trainer.seq_len=2048 trainer.micro_batch_size=8
