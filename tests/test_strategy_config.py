@@ -50,7 +50,6 @@ BAD = [
     (["strategy=zero2", "strategy.offload_params=true"], 2, "needs ZeRO stage 3"),
     (["strategy=fsdp", "strategy.compile_scope=model"], 2, "does not apply to strategy=fsdp"),
     (["strategy=ddp", "strategy.deepcompile=true"], 2, "does not apply to strategy=ddp"),
-    (["strategy=single", "strategy.compile_scope=inner"], 1, "choose model, blocks"),
     (["strategy=zero2", "strategy.deepcompile=true"], 2, "stages 1 and 3 only"),
     (["strategy=zero3", "strategy.deepcompile=true"], 2, "needs CUDA"),
     (
@@ -74,7 +73,7 @@ def test_bad_strategy_options_are_refused(overrides, world, message):
     [
         (["strategy=deepspeed", "strategy.stage=4"], "strategy.stage=4 is not a ZeRO stage"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], "choose none, full"),
-        (["strategy=ddp", "strategy.compile_scope=graph"], "choose model, blocks, inner"),
+        (["strategy=ddp", "strategy.compile_scope=graph"], "choose model, blocks"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
@@ -100,13 +99,12 @@ def test_deepcompile_goes_into_deepspeeds_config():
         ("single", None, True, False),
         ("single", "blocks", False, True),
         ("ddp", None, True, False),
-        ("ddp", "inner", True, False),
         ("ddp", "blocks", False, True),
     ],
 )
 def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole, blocks):
-    """`model` compiles one graph; `blocks` compiles each block in place and the loss apart;
-    ddp's `inner` compiles the model and wraps the compiled module, `model` the other way."""
+    """`model` compiles one graph (ddp: the wrapped model, so DDPOptimizer sees the buckets);
+    `blocks` compiles each block in place and the loss apart."""
     import torch.distributed as dist
 
     from dtrain.model import lm_loss
@@ -135,9 +133,8 @@ def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole,
     assert (s.module in compiled) == whole
     assert all(b in compiled for b in layers) == blocks
     assert (lm_loss in compiled) == blocks
-    if name == "ddp" and whole:  # `inner` compiles before wrapping, `model` after
-        order = ["ddp", s.module] if scope is None else [s.module, "ddp"]
-        assert [c for c in compiled if c is s.module or c == "ddp"] == order
+    if name == "ddp" and whole:  # wrapped first, then compiled
+        assert [c for c in compiled if c is s.module or c == "ddp"] == ["ddp", s.module]
 
 
 def test_without_deepspeed_zero_says_how_to_install(monkeypatch):

@@ -114,7 +114,6 @@ class Strategy:
     )
     needs_distributed = False
     options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
-    scopes: tuple[str, ...] = ("model", "blocks")  # its strategy.compile_scope values
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.cfg, self.precision, self.env = cfg, precision, env
@@ -131,27 +130,27 @@ class Strategy:
         self.check()
 
     # --- config-time checks ------------------------------------------------------------
-    def check(self) -> None:
-        if self.precision.name not in self.precisions:
+    @classmethod
+    def check_config(cls, cfg: StrategyConfig, precision: Precision) -> None:
+        """The checks that need neither a device nor a process group (the planner runs them
+        too): the precision, and options this strategy does not honour."""
+        if precision.name not in cls.precisions:
             raise ConfigError(
-                f"strategy={self.name} cannot train precision={self.precision.name}; "
-                f"valid precisions for it: {', '.join(self.precisions)}"
+                f"strategy={cfg.name} cannot train precision={precision.name}; "
+                f"valid precisions for it: {', '.join(cls.precisions)}"
             )
-        check_strategy(self.precision, self.name)
+        check_strategy(precision, cfg.name)
         default = StrategyConfig()
         for key in OPTIONAL_KEYS:
-            if key not in self.options and getattr(self.cfg, key) != getattr(default, key):
-                honoured = ", ".join(self.options) or "none of them"
+            if key not in cls.options and getattr(cfg, key) != getattr(default, key):
+                honoured = ", ".join(cls.options) or "none of them"
                 raise ConfigError(
-                    f"strategy.{key}={getattr(self.cfg, key)!r} does not apply to "
-                    f"strategy={self.name}; its options: {honoured}"
+                    f"strategy.{key}={getattr(cfg, key)!r} does not apply to "
+                    f"strategy={cfg.name}; its options: {honoured}"
                 )
-        scope = self.cfg.compile_scope
-        if scope is not None and "compile_scope" in self.options and scope not in self.scopes:
-            raise ConfigError(
-                f"strategy.compile_scope={scope!r} does not apply to strategy={self.name}; "
-                f"choose {', '.join(self.scopes)}"
-            )
+
+    def check(self) -> None:
+        self.check_config(self.cfg, self.precision)
 
     @property
     def compile_enabled(self) -> bool:

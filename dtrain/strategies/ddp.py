@@ -10,13 +10,12 @@ H100, bf16) 25 MB buckets (~200 graphs) ran at 97.7k tokens/s holding 60.3 GiB, 
 buckets at 106.0-106.4k holding 53.0-53.3 GiB (docs/benchmarks.md).
 
 Compiled whole by default (strategy.compile_scope=model): Dynamo's DDPOptimizer splits the graph
-at bucket boundaries so all-reduces still overlap the backward. `compile_scope=inner` compiles
-the model before wrapping it: one unsplit graph (Inductor fuses across what would be bucket
-boundaries), but every gradient is ready only when the compiled backward ends, so the
-all-reduces run after it instead of beside it. `compile_scope=blocks` compiles each block and
-the loss, then wraps (DDP's hooks sit between compiled blocks, as with FSDP); on the 1b model
-on 2x H200 it measured 104.4k tokens/s against 106.0k for the whole-model graph, with 1.5 GiB
-more reserved (docs/benchmarks.md).
+at bucket boundaries so all-reduces still overlap the backward. `compile_scope=blocks` compiles
+each block and the loss, then wraps (DDP's hooks sit between compiled blocks, as with FSDP); on
+the 1b model on 2x H200 it measured 104.4k tokens/s against 106.0k for the whole-model graph,
+with 1.5 GiB more reserved (docs/benchmarks.md). Compiling the model before wrapping it gives
+the same split graph (Dynamo sees the DDP module it runs under and applies DDPOptimizer anyway;
+measured 97.8k against 97.7k), so it is not offered.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class DDPStrategy(Strategy):
     needs_distributed = True
 
     options = ("compile_scope",)
-    scopes = ("model", "inner", "blocks")
 
     @property
     def compile_scope(self) -> str:
@@ -46,15 +44,14 @@ class DDPStrategy(Strategy):
         compiled = self.compile_enabled
         if compiled and self.compile_scope == "blocks":
             compile_blocks(module)
-        inner = compiled and self.compile_scope == "inner"
         self._ddp = DDP(
-            torch.compile(module) if inner else module,
+            module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=self.cfg.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
         reduce = self.precision.reduce_dtype
-        if reduce != self.precision.param_dtype:  # precision.reduce_dtype: 16-bit all-reduce
+        if reduce != self.precision.param_dtype:  # precision.reduce_dtype: another wire dtype
             self._ddp.register_comm_hook(None, reduce_in(reduce))
         if compiled and self.compile_scope == "model":
             return torch.compile(self._ddp)
@@ -66,8 +63,8 @@ class DDPStrategy(Strategy):
 
 def reduce_in(dtype: torch.dtype):
     """A DDP comm hook that all-reduces each bucket in `dtype` (the mean, written back into the
-    fp32 bucket). torch's bf16_compress_hook does the same but refuses anything but NCCL, so
-    the CPU (gloo) tests could not run the path that GPUs take."""
+    bucket in the gradients' own dtype). torch's bf16_compress_hook does the same but refuses
+    anything but NCCL, so the CPU (gloo) tests could not run the path that GPUs take."""
 
     # No annotations: DDP checks them against the real classes, and this module's are strings.
     def hook(group, bucket):
