@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,13 +64,14 @@ def main() -> None:
     q, k, v, dy = (torch.randn(shape, device=device, generator=gen, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    # The reference: fp32 math attention.
-    ref = fwd_bwd(*(t.detach().float().requires_grad_(True) for t in (q, k, v)), dy.float())
+    # The reference: fp32 math attention (torch's pick for fp32 would be a fused kernel).
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = fwd_bwd(*(t.detach().float().requires_grad_(True) for t in (q, k, v)), dy.float())
     # Causal: half the score matrix. Forward 2 matmuls of 2*T*T*D/2 each; backward 2.5x forward.
     flops = 3.5 * 2 * 2 * args.batch * args.heads * args.seq * args.seq * args.head_dim / 2
     lines = []
     for name in KERNELS:  # auto: torch's own pick
-        with attention_kernel(name, device):
+        with attention_kernel(name):
             try:
                 out = fwd_bwd(q, k, v, dy)
             except RuntimeError as e:

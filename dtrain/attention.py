@@ -1,13 +1,13 @@
 """Which fused kernel F.scaled_dot_product_attention takes for a run (trainer.attention_kernel).
 
-`auto` leaves the choice to torch; a named kernel goes first in SDPA's priority order for the
-whole run (Inductor picks SDPA's kernel when it traces, so this must hold while the model is
-compiled), with the others behind it, in torch's order, for the shapes it cannot take (a
-decoding step's offset causal mask, an unsupported head size). Measured at the 1b model's
-shape (bench/attention_kernels.py, H100, torch 2.11, fwd+bwd): torch's own pick there is
-cuDNN, 427 TFLOP/s, against flash 226, memory-efficient 120 and math 16; all within 0.5% of
-fp32 math attention. So `auto` is the fast kernel on Hopper; naming one is for comparing
-kernels or stepping around a kernel's bug.
+`auto` leaves the choice to torch. A named kernel goes first in SDPA's priority order for the
+whole run (Inductor fixes SDPA's kernel when it traces, so this must hold while the model is
+compiled); every other kernel stays enabled behind it, in the order torch had, for the shapes
+the named one cannot take (a decoding step's offset causal mask, an unsupported head size).
+Measured at the 1b model's shape (bench/attention_kernels.py, H100, torch 2.11, forward and
+backward): torch's own pick there is cuDNN, 425 TFLOP/s, against flash 226, memory-efficient
+120 and math 16, all within 0.5% of fp32 math attention. So `auto` is the fast kernel on
+Hopper; naming one is for comparing kernels or stepping around a kernel's bug.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch._functorch.config as functorch_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.errors import ConfigError
@@ -26,12 +27,6 @@ _BACKENDS = {
     "math": SDPBackend.MATH,
 }
 KERNELS = ("auto", *_BACKENDS)  # auto: torch's own choice
-_TORCH_ORDER = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-    SDPBackend.CUDNN_ATTENTION,
-]
 
 
 def check_kernel(name: str) -> None:
@@ -41,8 +36,17 @@ def check_kernel(name: str) -> None:
         )
 
 
-def attention_kernel(name: str, device: torch.device):
-    """Context for a run: SDPA tries `name`'s kernel first (a no-op for `auto`)."""
+@contextlib.contextmanager
+def attention_kernel(name: str):
+    """Context for a run: SDPA tries `name`'s kernel first (nothing changes for `auto`)."""
     if name == "auto":
-        return contextlib.nullcontext()
-    return sdpa_kernel([_BACKENDS[name], *_TORCH_ORDER], set_priority=True)
+        yield
+        return
+    first = _BACKENDS[name]
+    rest = [SDPBackend(i) for i in torch._C._get_sdp_priority_order() if i != int(first)]
+    # AOTAutograd's on-disk cache keys a graph without the SDPA order, so a graph traced under
+    # another choice (an earlier run on this machine) would be reused with its kernel; the
+    # inductor cache behind it keys the traced kernel and stays on.
+    with sdpa_kernel([first, *rest], set_priority=True):
+        with functorch_config.patch(enable_autograd_cache=False):
+            yield

@@ -273,7 +273,7 @@ def run(cfg: TrainConfig) -> dict:
     # raised half-way must not leave this run's handler behind for the next one in-process).
     stop = StopSignal(env.device, env.distributed, cfg.trainer.stop_signals)
     try:
-        with attention_kernel(cfg.trainer.attention_kernel, env.device):
+        with attention_kernel(cfg.trainer.attention_kernel):
             return _run(cfg, env, stop, heartbeat=heartbeat)
     except RuntimeError as e:
         from dtrain.watchdog import is_timeout

@@ -1,35 +1,42 @@
 """trainer.attention_kernel: the chosen SDPA kernel goes first in torch's priority order for the
-run, the others stay behind it, and torch's order comes back afterwards."""
+run, the others stay enabled behind it, AOTAutograd's cache is off meanwhile, and torch's order
+comes back afterwards."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 from torch.nn.attention import SDPBackend
 
-from dtrain.attention import KERNELS, attention_kernel
+from dtrain.attention import _BACKENDS, KERNELS, attention_kernel
 from tests.conftest import FAST, launch, train
-
-CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("name", ["cudnn", "flash", "efficient", "math"])
 def test_chosen_kernel_goes_first_and_torchs_order_returns(name):
     before = torch._C._get_sdp_priority_order()
-    with attention_kernel(name, CPU):
-        order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
-        assert order[0].name.lower().startswith({"efficient": "efficient"}.get(name, name))
+    cache = functorch_config.enable_autograd_cache
+    with attention_kernel(name):
+        order = torch._C._get_sdp_priority_order()
+        assert SDPBackend(order[0]) == _BACKENDS[name]
+        assert order[1:] == [i for i in before if i != order[0]]  # the rest in torch's order
         # every kernel stays enabled as a fallback for shapes the first cannot take
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
         assert torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        # AOTAutograd's cache would hand back a graph traced under another kernel order
+        assert functorch_config.enable_autograd_cache is False
     assert torch._C._get_sdp_priority_order() == before
+    assert functorch_config.enable_autograd_cache == cache
 
 
-def test_auto_leaves_torchs_order_alone():
+def test_auto_changes_nothing():
     before = torch._C._get_sdp_priority_order()
-    with attention_kernel("auto", CPU):
+    cache = functorch_config.enable_autograd_cache
+    with attention_kernel("auto"):
         assert torch._C._get_sdp_priority_order() == before
+        assert functorch_config.enable_autograd_cache == cache
 
 
 def test_a_run_computes_attention_with_the_chosen_kernel_first(tmp_path, monkeypatch):
