@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from dtrain.config import DDP_BUCKET_MB
 from dtrain.model import ModelConfig, count_params, flops_per_token
 
 GiB = 1024**3
@@ -83,11 +84,12 @@ ALLOCATOR_SLACK = 0.10
 # DDP on CUDA with small buckets holds memory beyond its gradient buckets that the terms below do
 # not explain: on the 1b model (bf16, micro-batch 8 x 2048, 2 GPUs) with torch's 25 MB buckets
 # the peak allocated was 60.3 GiB with plain DDP, Lightning Fabric's DDP and dtrain's alike
-# (whole-model compile, or compiled before wrapping; 61.8 GiB compiled per block). With 200, 400
-# and 1000 MB buckets dtrain's DDP peaked at 53.0-53.3 GiB, what the terms below predict
-# (53.1 GiB): the extra comes with the ~200 graphs Dynamo cuts at 25 MB bucket boundaries.
-# Below DDP_SMALL_BUCKET_MB (not measured between 25 and 200) it is predicted as this many
-# gradient-sized buffers: an empirical term fitted on that one model (docs/memory.md).
+# (whole-model compile; 61.8 GiB compiled per block), ~7 GiB more than with 200, 400 or 1000 MB
+# buckets (53.0-53.3 GiB), where the plan needs no extra term (the default run: 55.3 GiB
+# reserved predicted, 55.6 measured). It comes with the ~200 graphs Dynamo cuts at 25 MB bucket
+# boundaries, so it is planned for compiled DDP only (eager DDP was not measured), below
+# DDP_SMALL_BUCKET_MB (nothing was measured between 25 and 200), as this many gradient-sized
+# buffers: an empirical term fitted on that one model (docs/memory.md).
 DDP_EXTRA_GRAD_BUFFERS = 2
 DDP_SMALL_BUCKET_MB = 200
 
@@ -112,7 +114,7 @@ class MemorySetup:
     offload_optimizer: bool = False  # zero*: optimizer states (and fp32 master) on the host
     offload_params: bool = False  # zero3: parameters on the host
     ds_bucket_elements: int = 25 * 2**20 // 4  # DeepSpeed's reduce/allgather buckets
-    ddp_bucket_mb: int = 400  # DDP's gradient buckets (strategy.bucket_cap_mb)
+    ddp_bucket_mb: int = DDP_BUCKET_MB  # DDP's gradient buckets (strategy.bucket_cap_mb)
     device: str = "cuda"  # cpu: no context, no allocator slack
     rank: int = 0  # model state is planned for this rank (FSDP's last ranks may hold less)
     grad_accum_steps: int = 1  # micro-steps per optimizer step (ZeRO-1 then holds full grads)
@@ -693,8 +695,8 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
         # The reduce buckets (gradients waiting for their reduce), allocated at full size.
         gathered = ds_reduce_bucket_bytes(setup)
     transient += gathered + recompute
-    small_buckets = setup.ddp_bucket_mb < DDP_SMALL_BUCKET_MB
-    if s == "ddp" and setup.device == "cuda" and setup.world_size > 1 and small_buckets:
+    split_graph = setup.compile and setup.ddp_bucket_mb < DDP_SMALL_BUCKET_MB
+    if s == "ddp" and setup.device == "cuda" and setup.world_size > 1 and split_graph:
         transient += DDP_EXTRA_GRAD_BUFFERS * grads
         notes.append(
             f"DDP on CUDA with {setup.ddp_bucket_mb} MB buckets: +{DDP_EXTRA_GRAD_BUFFERS}x the "
@@ -889,7 +891,7 @@ def setup_from_config(
         offload_params=bool(getattr(st, "offload_params", False)),
         # dtrain's DeepSpeed config sizes its buckets from bucket_cap_mb (elements of 4 bytes).
         ds_bucket_elements=int(getattr(st, "bucket_cap_mb", 25)) * 2**20 // 4,
-        ddp_bucket_mb=int(getattr(st, "bucket_cap_mb", 400)),
+        ddp_bucket_mb=int(getattr(st, "bucket_cap_mb", DDP_BUCKET_MB)),
         device=device,
         rank=rank,
         grad_accum_steps=resolve_grad_accum(t, world_size),

@@ -558,6 +558,10 @@ def test_plan_text_says_fits_and_the_budget(capsys):
         (["strategy=single", "world_size=2"], "strategy=single runs one process"),
         (["mfu=2"], "mfu must be in"),
         (["trainer.micro_batch_size=0"], "trainer.micro_batch_size must be > 0"),
+        # what training refuses before it starts (Strategy.check_config)
+        (["precision=bf16", "precision.reduce_dtype=bf16"], "strategy=single reduces none"),
+        (["strategy=fsdp", "strategy.compile_scope=model"], "does not apply to strategy=fsdp"),
+        (["strategy=zero2", "precision=int8", "world_size=2"], "cannot train precision=int8"),
     ],
 )
 def test_plan_bad_input_is_one_line_and_exit_2(capsys, args, message):
@@ -718,21 +722,22 @@ def test_8bit_adamw_moments_are_what_torchao_keeps():
 
 
 def test_ddp_with_small_buckets_carries_its_measured_extra_gradient_buffers():
-    """The empirical DDP term (memory.DDP_EXTRA_GRAD_BUFFERS): on CUDA with 2+ ranks and
-    buckets under DDP_SMALL_BUCKET_MB only, sized by the gradient bytes, named in the notes;
-    dtrain's default 400 MB buckets (measured without it on GPU) carry none."""
+    """The empirical DDP term (memory.DDP_EXTRA_GRAD_BUFFERS): compiled DDP on CUDA with 2+
+    ranks and buckets under DDP_SMALL_BUCKET_MB only, sized by the gradient bytes, named in the
+    notes; dtrain's default 400 MB buckets (measured without it on GPU) carry none."""
     from dtrain.memory import DDP_EXTRA_GRAD_BUFFERS
 
     cfg = ModelConfig(n_layer=2, n_head=4, d_model=256, vocab_size=50304)
-    base = MemorySetup("ddp", BF16, 2, 4, 512, device="cuda", ddp_bucket_mb=25)
+    base = MemorySetup("ddp", BF16, 2, 4, 512, device="cuda", compile=True, ddp_bucket_mb=25)
     ddp = plan_memory(cfg, base)
     one = plan_memory(cfg, replace(base, world_size=1))
     cpu = plan_memory(cfg, replace(base, device="cpu"))
     big = plan_memory(cfg, replace(base, ddp_bucket_mb=400))
+    eager = plan_memory(cfg, replace(base, compile=False))
     assert ddp.transient_bytes - one.transient_bytes == DDP_EXTRA_GRAD_BUFFERS * ddp.grads_bytes
     assert big.transient_bytes == one.transient_bytes
     assert any("empirical" in n for n in ddp.notes)
-    assert not any("empirical" in n for n in one.notes + cpu.notes + big.notes)
+    assert not any("empirical" in n for n in one.notes + cpu.notes + big.notes + eager.notes)
     # The run's own setup carries the configured bucket size.
     from dtrain.memory import setup_from_config
 

@@ -104,11 +104,8 @@ def build_plan(argv: list[str]) -> dict:
     from dtrain.strategies import STRATEGIES
 
     cls = STRATEGIES.get(cfg.strategy.name)
-    if cls is not None and precision.name not in cls.precisions:
-        raise ConfigError(
-            f"strategy={cfg.strategy.name} cannot train precision={precision.name}; "
-            f"valid precisions for it: {', '.join(cls.precisions)}"
-        )
+    if cls is not None:  # what training would refuse before it starts, the plan refuses too
+        cls.check_config(cfg.strategy, precision)
     accum = resolve_grad_accum(cfg.trainer, world)
     setup = setup_from_config(cfg, precision, world, device="cuda")
     plan = plan_memory(cfg.model, setup)
