@@ -69,3 +69,54 @@ def test_ddp_reduces_in_bf16(tmp_path):
 @pytest.mark.slow
 def test_fsdp_reduces_in_bf16(tmp_path):
     check_bf16_reduce_is_taken(tmp_path, "fsdp")
+
+
+def test_deepcompile_refuses_a_reduce_dtype():
+    """DeepCompile reduces in the gradients' own dtype: a reduce_dtype it would ignore is an
+    error (zero3 on CUDA has DeepCompile on by default), the eager engine takes it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    from dtrain.dist import DistEnv
+    from dtrain.strategies import build_strategy
+
+    cfg = compose(*FAST, "strategy=zero3", "precision=bf16", "precision.reduce_dtype=bf16")
+    p = build_precision(cfg.precision, CPU)
+    cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="cannot be honoured with DeepSpeed's DeepCompile"):
+        build_strategy(cfg.strategy, p, cuda)  # the checks read the device type only
+    cfg.strategy.deepcompile = False
+    s = build_strategy(cfg.strategy, p, cuda)
+    assert s.ds_config(cfg.model)["communication_data_type"] == "bf16"
+
+
+def test_ddp_hook_gives_the_bf16_mean_in_fp32(tmp_path):
+    """dtrain's DDP hook: after a no_sync micro-step and a synced one, each rank's gradient is
+    the mean over ranks of the accumulated gradients, computed in bf16 (each halved in bf16,
+    summed in bf16) and written back as fp32: equal on both ranks, not the fp32 mean."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    worker = ROOT / "tests" / "reduce_hook_worker.py"
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(worker), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    outs = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    g0, g1 = (o["grad"] for o in outs)
+    local = outs[0]["local"]
+    want = sum(g.to(torch.bfloat16) / 2 for g in local).float()
+    assert g0.dtype == torch.float32 and torch.equal(g0, g1)
+    assert torch.equal(g0, want)
+    mean = (local[0] + local[1]) / 2
+    assert not torch.equal(g0, mean)  # not the fp32 mean, but within bf16's rounding of it
+    assert (g0 - mean).abs().max() <= 2**-7 * mean.abs().max()

@@ -94,6 +94,14 @@ class DeepSpeedStrategy(Strategy):
                 "strategy.deepcompile needs CUDA (DeepSpeed's compiler passes are CUDA-only); "
                 "drop it on this machine"
             )
+        if self.precision.reduce_override and self.deepcompile:
+            # DeepSpeed 0.19.8's DeepCompile reduce-scatters gradients in their own dtype
+            # (csrc/compile/z3.cpp flushReduceBucket) and reads no communication_data_type.
+            raise ConfigError(
+                "precision.reduce_dtype cannot be honoured with DeepSpeed's DeepCompile (on by "
+                "default for zero3 on CUDA), which reduces gradients in their own dtype (bf16); "
+                "remove it, or set strategy.deepcompile=false"
+            )
         if self.cfg.offload_params and self.stage != 3:
             raise ConfigError(
                 f"strategy.offload_params needs ZeRO stage 3 (strategy=zero3); stage {self.stage} "
