@@ -42,15 +42,15 @@ case "${1:-all}" in
          dtrain_as zero3_deepcompile strategy=zero3 strategy.deepcompile=true; dtrain zero3
          dtrain_as ddp_model strategy=ddp strategy.compile_scope=model ;;
   # Kernel and compile choices against the baselines of the same wrapper: the attention kernels
-  # at the 1b shape, then DDP's compile scopes and cuDNN attention with torch's 25 MB buckets
-  # (DDP's default then), and 200 MB buckets (part4); 400/1000 MB buckets and FSDP's
-  # reshard_after_forward=false (part5). (When part4 ran, attention_kernel=auto was named torch.)
+  # at the 1b shape, DDP with torch's 25 MB buckets (DDP's default then) and cuDNN attention,
+  # and 200 MB buckets (part4); 400/1000 MB buckets and FSDP's reshard_after_forward=false
+  # (part5). As run, part4 also had two runs with the model compiled before DDP wraps it
+  # (`strategy.compile_scope=inner`, removed since: it measured the same; docs/benchmarks.md),
+  # and attention_kernel=auto was then named torch.
   part4) python3 bench/attention_kernels.py --out $OUT/attention_kernels.jsonl
          B25="strategy=ddp strategy.bucket_cap_mb=25"
-         dtrain_as ddp_inner $B25 strategy.compile_scope=inner
          dtrain_as ddp_cudnn $B25 trainer.attention_kernel=cudnn
          dtrain_as ddp_torch $B25; fabric ddp; plain ddp
-         dtrain_as ddp_inner_cudnn $B25 strategy.compile_scope=inner trainer.attention_kernel=cudnn
          dtrain_as ddp_bucket200 strategy=ddp strategy.bucket_cap_mb=200 ;;
   part5) for mb in 400 1000; do dtrain_as ddp_bucket$mb strategy=ddp strategy.bucket_cap_mb=$mb; done
          plain ddp; fabric ddp
