@@ -6,8 +6,8 @@ compiled); every other kernel stays enabled behind it, in the order torch had, f
 the named one cannot take (a decoding step's offset causal mask, an unsupported head size).
 Measured at the 1b model's shape (bench/attention_kernels.py, H100, torch 2.11, forward and
 backward): torch's own pick there is cuDNN, 425 TFLOP/s, against flash 226, memory-efficient
-120 and math 16, all within 0.5% of fp32 math attention. So `auto` is the fast kernel on
-Hopper; naming one is for comparing kernels or stepping around a kernel's bug.
+120 and math 16, all within 0.5% of an fp32 reference. So `auto` is the fast kernel on Hopper;
+naming one is for comparing kernels or stepping around a kernel's bug.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch._functorch.config as functorch_config
+import torch.compiler.config as compiler_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.errors import ConfigError
@@ -45,8 +45,10 @@ def attention_kernel(name: str):
     first = _BACKENDS[name]
     rest = [SDPBackend(i) for i in torch._C._get_sdp_priority_order() if i != int(first)]
     # AOTAutograd's on-disk cache keys a graph without the SDPA order, so a graph traced under
-    # another choice (an earlier run on this machine) would be reused with its kernel; the
-    # inductor cache behind it keys the traced kernel and stays on.
+    # another choice (an earlier run on this machine) would come back with that run's kernel.
+    # torch's cache-key tag enters every compile cache's key (environment variables cannot
+    # override a patch of it, as they can the caches' on/off switches).
+    tag = f"{compiler_config.cache_key_tag}|sdpa={name}"
     with sdpa_kernel([first, *rest], set_priority=True):
-        with functorch_config.patch(enable_autograd_cache=False):
+        with compiler_config.patch(cache_key_tag=tag):
             yield

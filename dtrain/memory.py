@@ -874,6 +874,8 @@ def setup_from_config(
     name = st.name
     if name == "deepspeed":  # strategy=deepspeed strategy.stage=N is zeroN
         name = f"zero{getattr(st, 'stage', 2)}"
+    if name == "hsdp":  # fsdp sharding within groups, replicated across them
+        name = "fsdp"
     if name == "zero3" and st.compile is None and getattr(st, "deepcompile", None) is False:
         compile_ = False  # ZeRO-3 without DeepCompile runs its blocks eagerly
     return MemorySetup(

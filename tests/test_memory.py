@@ -562,6 +562,8 @@ def test_plan_text_says_fits_and_the_budget(capsys):
         (["precision=bf16", "precision.reduce_dtype=bf16"], "strategy=single reduces none"),
         (["strategy=fsdp", "strategy.compile_scope=model"], "does not apply to strategy=fsdp"),
         (["strategy=zero2", "precision=int8", "world_size=2"], "cannot train precision=int8"),
+        (["strategy=zero2", "strategy.stage=3", "world_size=2"], "use strategy=zero3"),
+        (["strategy=zero1", "strategy.offload_params=true", "world_size=2"], "needs ZeRO stage 3"),
     ],
 )
 def test_plan_bad_input_is_one_line_and_exit_2(capsys, args, message):
@@ -742,3 +744,16 @@ def test_ddp_with_small_buckets_carries_its_measured_extra_gradient_buffers():
     from dtrain.memory import setup_from_config
 
     assert setup_from_config(compose(*FAST, "strategy=ddp"), BF16, 2, "cuda").ddp_bucket_mb == 400
+
+
+def test_plan_takes_hsdp_as_fsdp_within_groups():
+    """strategy=hsdp (2 replicas x 2 shards on 4 GPUs) plans as fsdp sharded over 2 ranks."""
+    from dtrain.cli.plan import build_plan
+
+    hsdp = build_plan(["strategy=hsdp", "world_size=4", "format=json"])
+    fsdp2 = build_plan(["strategy=fsdp", "world_size=2", "format=json"])
+    assert hsdp["strategy"] == "hsdp"
+    assert (
+        hsdp["params_bytes"] == fsdp2["params_bytes"]
+        and hsdp["optim_bytes"] == fsdp2["optim_bytes"]
+    )

@@ -71,9 +71,10 @@ def test_fsdp_reduces_in_bf16(tmp_path):
     check_bf16_reduce_is_taken(tmp_path, "fsdp")
 
 
-def test_deepcompile_refuses_a_reduce_dtype():
-    """DeepCompile reduces in the gradients' own dtype: a reduce_dtype it would ignore is an
-    error (zero3 on CUDA has DeepCompile on by default), the eager engine takes it."""
+def test_deepcompile_refuses_a_reduce_dtype_it_would_ignore():
+    """DeepCompile reduces in the gradients' own dtype (bf16 under precision=bf16): asking for
+    fp32 is an error (zero3 on CUDA has DeepCompile on by default), asking for bf16 is what it
+    does; the eager engine takes either."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
@@ -81,14 +82,18 @@ def test_deepcompile_refuses_a_reduce_dtype():
     from dtrain.dist import DistEnv
     from dtrain.strategies import build_strategy
 
-    cfg = compose(*FAST, "strategy=zero3", "precision=bf16", "precision.reduce_dtype=bf16")
-    p = build_precision(cfg.precision, CPU)
     cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
-    with pytest.raises(ConfigError, match="cannot be honoured with DeepSpeed's DeepCompile"):
-        build_strategy(cfg.strategy, p, cuda)  # the checks read the device type only
-    cfg.strategy.deepcompile = False
-    s = build_strategy(cfg.strategy, p, cuda)
-    assert s.ds_config(cfg.model)["communication_data_type"] == "bf16"
+    for want, refused in (("fp32", True), ("bf16", False)):
+        cfg = compose(*FAST, "strategy=zero3", "precision=bf16", f"precision.reduce_dtype={want}")
+        p = build_precision(cfg.precision, CPU)
+        if refused:  # the checks read the device type only
+            with pytest.raises(ConfigError, match="reduces gradients in their own dtype"):
+                build_strategy(cfg.strategy, p, cuda)
+        else:
+            assert build_strategy(cfg.strategy, p, cuda).deepcompile
+        cfg.strategy.deepcompile = False
+        s = build_strategy(cfg.strategy, p, cuda)
+        assert s.ds_config(cfg.model)["communication_data_type"] == want
 
 
 def test_ddp_hook_gives_the_bf16_mean_in_fp32(tmp_path):

@@ -154,3 +154,15 @@ def test_a_native_deepspeed_checkpoint_is_refused_with_what_to_run(tmp_path):
     (tmp_path / "latest").write_text("global_step10")
     with pytest.raises(CheckpointError, match="zero_to_fp32.py"):
         CheckpointManager.read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["ddp", "single", "fsdp", "hsdp"])
+def test_ddp_bucket_default_is_one_number(name):
+    """The presets' bucket_cap_mb is config.DDP_BUCKET_MB (what code building StrategyConfig
+    and the memory plan use), not a second copy that could drift."""
+    from dtrain.config import DDP_BUCKET_MB, StrategyConfig
+    from dtrain.memory import MemorySetup
+
+    assert compose(*FAST, f"strategy={name}").strategy.bucket_cap_mb == DDP_BUCKET_MB
+    assert StrategyConfig().bucket_cap_mb == DDP_BUCKET_MB
+    assert MemorySetup("ddp", PRECISIONS["bf16"]).ddp_bucket_mb == DDP_BUCKET_MB

@@ -105,7 +105,7 @@ def build_plan(argv: list[str]) -> dict:
 
     cls = STRATEGIES.get(cfg.strategy.name)
     if cls is not None:  # what training would refuse before it starts, the plan refuses too
-        cls.check_config(cfg.strategy, precision)
+        cls.check_config(cfg.strategy, precision, "cuda")
     accum = resolve_grad_accum(cfg.trainer, world)
     setup = setup_from_config(cfg, precision, world, device="cuda")
     plan = plan_memory(cfg.model, setup)

@@ -131,9 +131,9 @@ class Strategy:
 
     # --- config-time checks ------------------------------------------------------------
     @classmethod
-    def check_config(cls, cfg: StrategyConfig, precision: Precision) -> None:
-        """The checks that need neither a device nor a process group (the planner runs them
-        too): the precision, and options this strategy does not honour."""
+    def check_config(cls, cfg: StrategyConfig, precision: Precision, device_type: str) -> None:
+        """The checks that need no process group, for a run on `device_type` (the planner runs
+        them too, for "cuda"): the precision, and options this strategy does not honour."""
         if precision.name not in cls.precisions:
             raise ConfigError(
                 f"strategy={cfg.name} cannot train precision={precision.name}; "
@@ -150,7 +150,7 @@ class Strategy:
                 )
 
     def check(self) -> None:
-        self.check_config(self.cfg, self.precision)
+        self.check_config(self.cfg, self.precision, self.device.type)
 
     @property
     def compile_enabled(self) -> bool:

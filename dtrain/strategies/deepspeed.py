@@ -46,6 +46,18 @@ def zero_stage(cfg: StrategyConfig) -> int:
     return cfg.stage
 
 
+def uses_deepcompile(cfg: StrategyConfig, device_type: str) -> bool:
+    """strategy.deepcompile, or its default: on for ZeRO-3 on CUDA, only where it was measured
+    (not with ZeRO-Offload: DeepCompile has offload passes of its own that dtrain does not
+    drive)."""
+    if cfg.deepcompile is not None:
+        return cfg.deepcompile
+    offload = cfg.offload_params or cfg.offload_optimizer
+    return (
+        device_type == "cuda" and zero_stage(cfg) == 3 and cfg.compile is not False and not offload
+    )
+
+
 def _tensors_in(obj):
     """Every tensor inside nested lists/tuples/dicts (ZeRO keeps its buffers in such)."""
     if isinstance(obj, torch.Tensor):
@@ -73,39 +85,47 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(cfg, precision, env)
         self.engine = None
 
+    @classmethod
+    def check_config(cls, cfg: StrategyConfig, precision: Precision, device_type: str) -> None:
+        super().check_config(cfg, precision, device_type)
+        stage = zero_stage(cfg)
+        if cfg.deepcompile and stage == 2:  # explicit true only (None: automatic)
+            raise ConfigError(
+                "strategy.deepcompile has passes for ZeRO stages 1 and 3 only; use "
+                "strategy=zero1 or strategy=zero3, or strategy.deepcompile=false"
+            )
+        if cfg.deepcompile and cfg.compile is False:
+            raise ConfigError(
+                "strategy.deepcompile=true compiles the model; it cannot go with "
+                "strategy.compile=false"
+            )
+        if cfg.deepcompile and device_type != "cuda":
+            raise ConfigError(
+                "strategy.deepcompile needs CUDA (DeepSpeed's compiler passes are CUDA-only); "
+                "drop it on this machine"
+            )
+        grads = precision.compute_dtype if precision.mixed else precision.param_dtype
+        wanted = precision.reduce_dtype
+        if precision.reduce_override and wanted != grads and uses_deepcompile(cfg, device_type):
+            # DeepSpeed 0.19.8's DeepCompile reduce-scatters gradients in their own dtype
+            # (csrc/compile/z3.cpp flushReduceBucket) and reads no communication_data_type.
+            raise ConfigError(
+                f"precision.reduce_dtype={_DTYPE_NAMES[wanted]} cannot be honoured with "
+                "DeepSpeed's DeepCompile (on by default for zero3 on CUDA), which reduces "
+                f"gradients in their own dtype ({_DTYPE_NAMES[grads]}); remove it, or set "
+                "strategy.deepcompile=false"
+            )
+        if cfg.offload_params and stage != 3:
+            raise ConfigError(
+                f"strategy.offload_params needs ZeRO stage 3 (strategy=zero3); stage {stage} "
+                "keeps full parameters on every rank"
+            )
+
     def check(self) -> None:
         super().check()
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
                 f"strategy={self.cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
-            )
-        if self.cfg.deepcompile and self.stage == 2:  # explicit true only (None: automatic)
-            raise ConfigError(
-                "strategy.deepcompile has passes for ZeRO stages 1 and 3 only; use "
-                "strategy=zero1 or strategy=zero3, or strategy.deepcompile=false"
-            )
-        if self.cfg.deepcompile and self.cfg.compile is False:
-            raise ConfigError(
-                "strategy.deepcompile=true compiles the model; it cannot go with "
-                "strategy.compile=false"
-            )
-        if self.cfg.deepcompile and self.device.type != "cuda":
-            raise ConfigError(
-                "strategy.deepcompile needs CUDA (DeepSpeed's compiler passes are CUDA-only); "
-                "drop it on this machine"
-            )
-        if self.precision.reduce_override and self.deepcompile:
-            # DeepSpeed 0.19.8's DeepCompile reduce-scatters gradients in their own dtype
-            # (csrc/compile/z3.cpp flushReduceBucket) and reads no communication_data_type.
-            raise ConfigError(
-                "precision.reduce_dtype cannot be honoured with DeepSpeed's DeepCompile (on by "
-                "default for zero3 on CUDA), which reduces gradients in their own dtype (bf16); "
-                "remove it, or set strategy.deepcompile=false"
-            )
-        if self.cfg.offload_params and self.stage != 3:
-            raise ConfigError(
-                f"strategy.offload_params needs ZeRO stage 3 (strategy=zero3); stage {self.stage} "
-                "keeps full parameters on every rank"
             )
 
     @property
@@ -113,17 +133,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks.
         On by default for ZeRO-3 on CUDA: 1b on 2x H200, 112.2k tokens/s against 73.9k eager,
         with 6 GiB less memory per GPU (docs/benchmarks.md)."""
-        if self.cfg.deepcompile is not None:
-            return self.cfg.deepcompile
-        # Only where it was measured: not with ZeRO-Offload (DeepCompile has offload passes
-        # of its own that dtrain does not drive).
-        offload = self.cfg.offload_params or self.cfg.offload_optimizer
-        return (
-            self.device.type == "cuda"
-            and self.stage == 3
-            and self.cfg.compile is not False
-            and not offload
-        )
+        return uses_deepcompile(self.cfg, self.device.type)
 
     @property
     def compile_enabled(self) -> bool:
