@@ -62,6 +62,7 @@ def check_bf16_reduce_is_taken(tmp_path, strategy: str):
         assert abs(a[s] - b[s]) <= 1e-2 * abs(a[s]), (s, a[s], b[s])
 
 
+@pytest.mark.slow  # 30 s; the hook's arithmetic is checked bit for bit in the fast tier below
 def test_ddp_reduces_in_bf16(tmp_path):
     check_bf16_reduce_is_taken(tmp_path, "ddp")
 
