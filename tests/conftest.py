@@ -71,6 +71,22 @@ def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | N
     )
 
 
+def torchrun_script(script: Path, *args: str, timeout: float = 600):
+    """Run a test's worker script on 2 ranks (torchrun --standalone, gloo on CPU) to the end;
+    returns the CompletedProcess."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*cmd, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture
 def fast_overrides() -> list[str]:
     return list(FAST)

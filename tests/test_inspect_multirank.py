@@ -47,13 +47,10 @@ def test_ddp_run_logs_from_rank0_and_its_checkpoint_loads_on_one_process(tmp_pat
 def test_sharded_model_samples_and_loads_hf_weights_like_a_plain_one(tmp_path):
     """FSDP2 (fully_shard, 2 gloo ranks): init_from=hf fills the shards, and the inspector's
     forwards, run by both ranks in lockstep, give what one plain process gives."""
-    import subprocess
-    import sys
-
     from dtrain.dist import DistEnv
     from dtrain.hf import save_hf
     from dtrain.model import build_model
-    from tests.conftest import ROOT, cli_env
+    from tests.conftest import ROOT, torchrun_script
     from tests.sharded_inspect_worker import MODEL, run
 
     plain = build_model(MODEL, "cpu", seed=5)
@@ -63,15 +60,7 @@ def test_sharded_model_samples_and_loads_hf_weights_like_a_plain_one(tmp_path):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
     save_hf(plain.state_dict(), MODEL, tmp_path / "hf")
     worker = ROOT / "tests" / "sharded_inspect_worker.py"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(worker), str(tmp_path), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
+    res = torchrun_script(worker, str(tmp_path), str(tmp_path / "hf"))
     assert res.returncode == 0, res.stderr[-3000:]
     want = run(plain, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     for rank in (0, 1):

@@ -27,7 +27,16 @@ from dtrain.memory import (
 )
 from dtrain.model import GPT, ModelConfig, build_model
 from dtrain.precision import PRECISIONS
-from tests.conftest import FAST, ROOT, cli_env, compose, launch, read_jsonl, train
+from tests.conftest import (
+    FAST,
+    ROOT,
+    cli_env,
+    compose,
+    launch,
+    read_jsonl,
+    torchrun_script,
+    train,
+)
 
 STEPS = ["trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=0"]
 F32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
@@ -371,10 +380,7 @@ def test_fsdp2_layout_is_what_fully_shard_does(tmp_path):
     fully_shard itself on uneven shapes: runs before the fsdp strategy exists."""
     script = tmp_path / "worker.py"
     script.write_text(FSDP_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    res = subprocess.run(
-        [*cmd, str(script)], capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300
-    )
+    res = torchrun_script(script, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
     data = json.loads(line[len("RESULT ") :])
@@ -458,15 +464,7 @@ def test_zero1_holds_what_the_plan_says_on_each_path(tmp_path):
     ]
     script = tmp_path / "worker.py"
     script.write_text(ZERO1_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    res = subprocess.run(
-        [*cmd, str(script), json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
+    res = torchrun_script(script, json.dumps(cases))
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
     data = json.loads(line[len("RESULT ") :])

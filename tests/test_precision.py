@@ -445,21 +445,9 @@ def test_fp16_steps_under_fsdp_with_two_ranks(tmp_path):
     """fsdp's fp16 path (ShardedGradScaler, foreach AdamW, the DTensor gradient norm) steps on
     two ranks: three clean steps, no overflow counted, the same scale on both ranks. (On 2x H100
     this crashed at the first step: the DTensor norm met the scaler's plain counter.)"""
-    import subprocess
-    import sys
+    from tests.conftest import ROOT, torchrun_script
 
-    from tests.conftest import ROOT, cli_env
-
-    worker = ROOT / "tests" / "fsdp_fp16_worker.py"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(worker), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
+    res = torchrun_script(ROOT / "tests" / "fsdp_fp16_worker.py", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     outs = [(tmp_path / f"rank{r}.txt").read_text().split("] ") for r in (0, 1)]
     for losses, rest in outs:

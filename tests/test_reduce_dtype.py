@@ -101,21 +101,9 @@ def test_ddp_hook_gives_the_bf16_mean_in_fp32(tmp_path):
     """dtrain's DDP hook: after a no_sync micro-step and a synced one, each rank's gradient is
     the mean over ranks of the accumulated gradients, computed in bf16 (each halved in bf16,
     summed in bf16) and written back as fp32: equal on both ranks, not the fp32 mean."""
-    import subprocess
-    import sys
+    from tests.conftest import ROOT, torchrun_script
 
-    from tests.conftest import ROOT, cli_env
-
-    worker = ROOT / "tests" / "reduce_hook_worker.py"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(worker), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
+    res = torchrun_script(ROOT / "tests" / "reduce_hook_worker.py", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     outs = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     g0, g1 = (o["grad"] for o in outs)
