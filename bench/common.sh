@@ -9,14 +9,19 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 pack_results() {
   local keep=/tmp/bench_keep; rm -rf $keep; mkdir -p $keep/runs
   find "$OUT" -maxdepth 1 -type f ! -name results.tgz -exec mv {} $keep/ \;
-  for d in /tmp/runs/*/; do
-    [ -f "$d/metrics.jsonl" ] || continue
-    mkdir -p $keep/runs/$(basename $d)
-    (cd $d && cp -r --parents metrics.jsonl .hydra tensorboard $keep/runs/$(basename $d)/ 2>/dev/null)
+  # Run dirs one or two levels down (bench/memory_check.py puts its points in /tmp/runs/mc/),
+  # and the check's own table, chart and logs.
+  for m in $(find /tmp/runs -maxdepth 3 -name metrics.jsonl 2>/dev/null); do
+    local d=$(dirname $m) name=${m#/tmp/runs/}; name=${name%/metrics.jsonl}; name=${name//\//_}
+    mkdir -p $keep/runs/$name
+    (cd $d && cp -r --parents metrics.jsonl .hydra tensorboard $keep/runs/$name/ 2>/dev/null)
   done
+  find /tmp/runs -mindepth 2 -maxdepth 2 -type f \( -name 'memory_check.*' -o -name '*.log' \) \
+    -exec cp {} $keep/ \; 2>/dev/null
   tar czf "$OUT/results.tgz" -C $keep . && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
 }
-trap pack_results EXIT
+# bench/lanes.sh runs several scripts side by side and packs once, after all of them.
+if [ "${PACK_RESULTS:-1}" = 1 ]; then trap pack_results EXIT; fi
 trap 'exit 143' TERM
 MODEL=${MODEL:-1b}; STEPS=${STEPS:-40}
 DATA=${DATA:-data=synthetic}

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("error: no CUDA device; run with --smoke on CPU", file=sys.stderr)
         return 2
-    rows = []
+    rows, md = [], ""
     for p in grid(args):
         row = run_point(p, args, out)
         err = row.get("error_pct")
@@ -209,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rows.append(row)
-    md = markdown(rows, args, device)
-    (out / "memory_check.md").write_text(md)
-    (out / "memory_check.json").write_text(json.dumps(rows, indent=1))
+        # After every point: a check stopped by a time limit still leaves its table.
+        md = markdown(rows, args, device)
+        (out / "memory_check.md").write_text(md)
+        (out / "memory_check.json").write_text(json.dumps(rows, indent=1))
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         from dtrain.cli.compare import read_run, write_chart

@@ -80,6 +80,31 @@ case "${1:-all}" in
     dtrain_as loss_bf16 strategy=fsdp precision=bf16
     dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16
     dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8 ;;
+  # Fourth session, a 4-GPU machine run as two 2-GPU lanes (bench/lanes.sh), 300 steps of text:
+  # the precisions not yet measured under fsdp, with bf16 again as the same call's reference.
+  precision_lane_a)
+    for p in bf16 fp16; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
+  precision_lane_b)
+    dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true
+    dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16 ;;
+  precision_torchao) dtrain_as loss_int8_torchao strategy=fsdp precision=int8-torchao ;;
+  # ZeRO-3 with DeepCompile resumed on CUDA: N steps straight against N/2, a checkpoint, and
+  # resume=auto to N in the same run dir (MODEL=350m STEPS=20 LOG_EVERY=1 keep it short).
+  deepcompile_resume)
+    Z="strategy=zero3 strategy.deepcompile=true"
+    dtrain_as dc_straight $Z
+    dtrain_as dc_resumed $Z trainer.max_steps=$((STEPS / 2)) checkpoint.save_final=true
+    $TR launch/train.py $COMMON $Z precision=bf16 resume=auto \
+      hydra.run.dir=/tmp/runs/dtrain_dc_resumed >> $OUT/dtrain_dc_resumed.log 2>&1
+    tail -2 $OUT/dtrain_dc_resumed.log
+    python3 bench/resume_check.py /tmp/runs/dtrain_dc_straight /tmp/runs/dtrain_dc_resumed \
+      --after $((STEPS / 2)) --out $OUT/dc_resume.json ;;
+  # The 1-GPU bound beside Fabric's fsdp: 1.1x Fabric needs more than 2x one GPU's tokens/s?
+  single_bound)
+    python3 bench/plain_loop.py --model $MODEL --wrapper none --out $OUT/plain_none.json 2>&1 | tail -1
+    dtrain_run dtrain_single 1 strategy=single ;;
+  fsdp_vs_fabric)
+    fabric fsdp; dtrain fsdp; dtrain_as fsdp_reduce_bf16 strategy=fsdp precision.reduce_dtype=bf16 ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
