@@ -16,8 +16,9 @@ pack_results() {
     mkdir -p $keep/runs/$name
     (cd $d && cp -r --parents metrics.jsonl .hydra tensorboard $keep/runs/$name/ 2>/dev/null)
   done
-  find /tmp/runs -mindepth 2 -maxdepth 2 -type f \( -name 'memory_check.*' -o -name '*.log' \) \
-    -exec cp {} $keep/ \; 2>/dev/null
+  for f in $(find /tmp/runs -mindepth 2 -maxdepth 2 -type f \( -name 'memory_check.*' -o -name '*.log' \)); do
+    cp $f $keep/$(basename $(dirname $f))_$(basename $f)  # several checks: named by their dir
+  done
   tar czf "$OUT/results.tgz" -C $keep . && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
 }
 # bench/lanes.sh runs several scripts side by side and packs once, after all of them.

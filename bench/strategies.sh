@@ -105,6 +105,12 @@ case "${1:-all}" in
     dtrain_run dtrain_single 1 strategy=single ;;
   fsdp_vs_fabric)
     fabric fsdp; dtrain fsdp; dtrain_as fsdp_reduce_bf16 strategy=fsdp precision.reduce_dtype=bf16 ;;
+  # The caching allocator with expandable segments against its default, tokens/s and reserved
+  # memory (the memory check found fragmentation to be most of the plan's misses).
+  expandable_ddp)
+    dtrain ddp; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True dtrain_as ddp_expandable strategy=ddp ;;
+  expandable_fsdp)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True dtrain_as fsdp_expandable strategy=fsdp; dtrain fsdp ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
