@@ -132,6 +132,9 @@ class TrainerConfig:
     # The kernel scaled_dot_product_attention tries first (dtrain.attention): auto (torch's
     # pick) | cudnn | flash | efficient | math.
     attention_kernel: str = "auto"
+    # CUDA caching allocator with expandable segments (dtrain.dist.allocator_settings), unless
+    # PYTORCH_CUDA_ALLOC_CONF is set: less memory held by fragmentation, same speed.
+    expandable_segments: bool = True
     # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
     # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
     on_nonfinite: str = "stop"  # skip | stop

@@ -77,9 +77,13 @@ GPUS: dict[str, GpuSpec] = {
 # The CUDA context (driver, kernels of torch/cuBLAS/NCCL loaded lazily) lives outside PyTorch's
 # caching allocator: nvidia-smi shows it, torch.cuda.max_memory_reserved does not.
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)
-# Reserved exceeds allocated: the caching allocator rounds blocks up (2 MiB segments for small
-# allocations, 20 MiB for large ones) and keeps freed blocks of other sizes. A stated fraction of
-# the dynamic (activation + transient) memory, the part that churns every step.
+# Reserved exceeds allocated: the caching allocator rounds blocks up and keeps freed blocks of
+# other sizes. A stated fraction of the dynamic (activation + transient) memory, the part that
+# churns every step. It holds for dtrain's default allocator, expandable segments
+# (dtrain.dist.allocator_settings): measured reserved-minus-allocated 0.0-2.4 GiB on 350m and
+# 0.3-3.1 GiB on 1b. With the allocator's classic segments (trainer.expandable_segments=false
+# or a PYTORCH_CUDA_ALLOC_CONF without them) FSDP and DeepSpeed held 4-10 GiB more on 1b than
+# they allocated, which this fraction does not cover (docs/memory.md).
 ALLOCATOR_SLACK = 0.10
 # DDP on CUDA with small buckets holds memory beyond its gradient buckets that the terms below do
 # not explain: on the 1b model (bf16, micro-batch 8 x 2048, 2 GPUs) with torch's 25 MB buckets

@@ -249,6 +249,7 @@ def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, st
             "seq_len": cfg.trainer.seq_len,
             "device": env.device.type,
             "compile": compile_enabled,
+            "allocator": env.allocator,
         }
         writer.record({"step": 0, "run": run_info, "memory_predicted": predicted_record(plan)})
     return plan
@@ -263,6 +264,7 @@ def run(cfg: TrainConfig) -> dict:
         cfg.trainer.device,
         timeout_s=cfg.trainer.collective_timeout_s,
         force_group=bool(cls and cls.needs_distributed),
+        expandable_segments=cfg.trainer.expandable_segments,
     )
     heartbeat = None
     if env.distributed:
@@ -370,6 +372,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
     writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
     if nodes is not None:
         log.info("ranks: %s", describe(nodes))
+    if env.device.type == "cuda":
+        log.info("CUDA allocator: %s", env.allocator)
     inspector = Inspector(cfg.inspect, strategy, data.tokenizer, writer, env)
     profiler = StepProfiler(cfg.profile, run_dir, env)
     if step == 0:
