@@ -68,12 +68,14 @@ class Precision:
 
 _F32, _BF16, _F16, _I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
 _BLOCK_LINEARS = "the transformer blocks' linear layers (q, k, v, o, w1, w2, w3)"
-# precision=int8's grad_weight matmul when precision.int8_grad_weight is not set. "int8" stays
-# the default until a GPU run shows bf16 (SwitchBack) closes the loss gap: on CPU (2026-11-26,
-# final loss of steps 251-300 against bf16's) the 300-step test's tiny run shows no difference
-# (int8 +0.0034%, bf16 grad_weight +0.0034%) and a larger one (2 layers, d_model 128, 1024
-# tokens per step, lr 1e-3) only a small one (int8 +0.135%, bf16 grad_weight +0.051%).
-INT8_GRAD_WEIGHT_DEFAULT = "int8"
+# precision=int8's grad_weight matmul when precision.int8_grad_weight is not set: bf16
+# (SwitchBack), from the saved int8 input. Under fsdp on 2 GPUs (1b, 300 steps of text,
+# docs/benchmarks.md) it ran at 0.88x bf16's tokens/s (91.6k against 104.6k, 2x H100) where
+# int8 in all three matmuls ran at 0.53x (58.5k against 111.4k, 2x H200): CUTLASS's sm80 int8
+# kernel for the grad_weight layout was the slow one. Same peak memory (28.4 GiB allocated
+# either way: the saved input is int8 in both) and no worse a loss (+4.1% against bf16's in
+# its call; all-int8 +6.1% in its). int8_grad_weight=int8 keeps all three matmuls in int8.
+INT8_GRAD_WEIGHT_DEFAULT = "bf16"
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision(
@@ -113,9 +115,9 @@ PRECISIONS: dict[str, Precision] = {
         _F32,
         _F32,
         quantize="int8",
-        quantized=f"{_BLOCK_LINEARS}: forward, grad-input and grad-weight matmuls in int8 "
-        "(torch._int_mm) with dynamic row-wise scales; their inputs saved for backward in int8 "
-        "(`int8_grad_weight=bf16`: grad-weight in bf16 from that int8 input)",
+        quantized=f"{_BLOCK_LINEARS}: forward and grad-input matmuls in int8 (torch._int_mm) "
+        "with dynamic row-wise scales, grad-weight in bf16 from the int8 input saved for "
+        "backward (`int8_grad_weight=int8`: grad-weight in int8 too)",
         int8_grad_weight=INT8_GRAD_WEIGHT_DEFAULT,
         summary="int8 tensor-core matmuls for the blocks' linears, bf16 elsewhere (embeddings, "
         "norms, attention, LM head), fp32 master weights",
