@@ -11,14 +11,15 @@ pack_results() {
   find "$OUT" -maxdepth 1 -type f ! -name results.tgz -exec mv {} $keep/ \;
   # Run dirs one or two levels down (bench/memory_check.py puts its points in /tmp/runs/mc/),
   # and the check's own table, chart and logs.
-  for m in $(find /tmp/runs -maxdepth 3 -name metrics.jsonl 2>/dev/null); do
-    local d=$(dirname $m) name=${m#/tmp/runs/}; name=${name%/metrics.jsonl}; name=${name//\//_}
-    mkdir -p $keep/runs/$name
-    (cd $d && cp -r --parents metrics.jsonl .hydra tensorboard $keep/runs/$name/ 2>/dev/null)
-  done
-  for f in $(find /tmp/runs -mindepth 2 -maxdepth 2 -type f \( -name 'memory_check.*' -o -name '*.log' \)); do
-    cp $f $keep/$(basename $(dirname $f))_$(basename $f)  # several checks: named by their dir
-  done
+  local m d name f
+  while read -r m; do
+    d=$(dirname "$m"); name=${d#/tmp/runs/}; name=${name//\//_}
+    mkdir -p "$keep/runs/$name"
+    (cd "$d" && cp -r --parents metrics.jsonl .hydra tensorboard "$keep/runs/$name/" 2>/dev/null)
+  done < <(find /tmp/runs -maxdepth 3 -name metrics.jsonl 2>/dev/null)
+  while read -r f; do  # several checks: each file named by its check's dir
+    cp "$f" "$keep/$(basename "$(dirname "$f")")_$(basename "$f")"
+  done < <(find /tmp/runs -mindepth 2 -maxdepth 2 -type f \( -name 'memory_check.*' -o -name '*.log' \) 2>/dev/null)
   tar czf "$OUT/results.tgz" -C $keep . && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
 }
 # bench/lanes.sh runs several scripts side by side and packs once, after all of them.
