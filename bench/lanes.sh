@@ -11,13 +11,26 @@
 # says for each table).
 set -uo pipefail
 source bench/common.sh   # set-up, OUT, and pack_results (trapped at exit)
+pids=()
+stop_lanes() {  # the device's limit (TERM) or Ctrl-C: stop every lane, then pack (EXIT trap)
+  # Each pid is a lane's `timeout`, which passes the signal on to the lane's whole process
+  # group (torchrun and its ranks included).
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  wait
+  exit 143
+}
+trap stop_lanes TERM INT
 i=0
 for lane in "$@"; do
   gpus=${lane%%=*} cmd=${lane#*=}
   echo "lane $i on GPUs $gpus: $cmd"
-  (export CUDA_VISIBLE_DEVICES=$gpus PACK_RESULTS=0
-   timeout "${LANE_TIMEOUT:-540}" bash -c "$cmd") > "$OUT/lane$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$gpus PACK_RESULTS=0 timeout "${LANE_TIMEOUT:-540}" bash -c "$cmd" \
+    > "$OUT/lane$i.log" 2>&1 &
+  pids+=($!)
   i=$((i + 1))
 done
-wait
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"; rc=$?
+  [ $rc = 124 ] && echo "lane $i: stopped by LANE_TIMEOUT" || echo "lane $i: exit $rc"
+done
 for log in "$OUT"/lane*.log; do echo "== $log"; tail -n 25 "$log"; done

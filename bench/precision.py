@@ -35,13 +35,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int8": ("int8", {"int8_grad_weight": "int8"}),  # all three matmuls int8
     # SwitchBack: grad_weight in bf16 from the saved int8 input; forward and grad_input int8
     "int8-switchback": ("int8", {"int8_grad_weight": "bf16"}),
-    "int8+adamw8bit": ("int8", {"optimizer_8bit": True}),
+    "int8+adamw8bit": ("int8", {"optimizer_8bit": True, "int8_grad_weight": "int8"}),
     "fp8": ("fp8", {}),
     "int8-torchao": ("int8-torchao", {}),
 }
 # Diagnostic variants (not run by default): int8 with Inductor's fused int8 GEMM + dequantize
 # epilogue (a Triton template; the int32 product never reaches memory).
-EXTRA_VARIANTS: dict[str, tuple[str, dict]] = {"int8-fused": ("int8", {})}
+EXTRA_VARIANTS: dict[str, tuple[str, dict]] = {
+    "int8-fused": ("int8", {"int8_grad_weight": "int8"}),
+}
 FUSED = ("int8-fused",)
 SMOKE_VARIANTS = ("bf16", "int8", "int8-switchback", "int8-torchao")
 
@@ -68,6 +70,8 @@ def run_one(args: argparse.Namespace) -> dict:
     name = args.one
     prec_name, prec_over = {**VARIANTS, **EXTRA_VARIANTS}[name]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    # Built directly: torch's classic allocator segments, as the figures in docs/benchmarks.md
+    # were measured (training turns expandable segments on; dtrain.dist.configure_allocator).
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=device)
     cfg = compose([f"model={args.model}", "data=embedded", "hydra.run.dir=/tmp/dtrain-bench"])
     seq, mb = args.seq_len, args.micro_batch

@@ -63,15 +63,19 @@ case "${1:-all}" in
          dtrain_as ddp_reduce_bf16 strategy=ddp precision.reduce_dtype=bf16; plain fsdp; plain ddp ;;
   # Issue 5: every precision under fsdp on 2 GPUs (bf16 is part3's dtrain fsdp).
   precision_fsdp)
-    for p in fp16 int8 fp8; do dtrain_as fsdp_$p strategy=fsdp precision=$p; done
-    dtrain_as fsdp_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true
+    # (int8's grad-weight default was int8 when these ran; pinned so the labels stay true.)
+    for p in fp16 fp8; do dtrain_as fsdp_$p strategy=fsdp precision=$p; done
+    dtrain_as fsdp_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8
+    dtrain_as fsdp_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true \
+      precision.int8_grad_weight=int8
     dtrain_as fsdp_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true ;;
   # The same on real text for the loss after 300 steps (and steady tokens/s), in two calls:
   #   DATA="data=embedded model.vocab_size=50304" STEPS=300 LOG_EVERY=50 bash bench/strategies.sh precision_loss1
   precision_loss1)
     dtrain_as loss_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true
     dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8
-    dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true ;;
+    dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true \
+      precision.int8_grad_weight=int8 ;;
   precision_loss2)
     for p in bf16 fp16 fp8; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
   # int8 with grad_weight in bf16 (SwitchBack) against bf16 and all-int8, same settings:
@@ -85,7 +89,8 @@ case "${1:-all}" in
   precision_lane_a)
     for p in bf16 fp16; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
   precision_lane_b)
-    dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true
+    dtrain_as loss_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true \
+      precision.int8_grad_weight=int8
     dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16 ;;
   precision_torchao) dtrain_as loss_int8_torchao strategy=fsdp precision=int8-torchao ;;
   # ZeRO-3 with DeepCompile resumed on CUDA: N steps straight against N/2, a checkpoint, and
@@ -105,12 +110,16 @@ case "${1:-all}" in
     dtrain_run dtrain_single 1 strategy=single ;;
   fsdp_vs_fabric)
     fabric fsdp; dtrain fsdp; dtrain_as fsdp_reduce_bf16 strategy=fsdp precision.reduce_dtype=bf16 ;;
-  # The caching allocator with expandable segments against its default, tokens/s and reserved
-  # memory (the memory check found fragmentation to be most of the plan's misses).
+  # The caching allocator with expandable segments (dtrain's default since) against torch's
+  # classic segments, tokens/s and reserved memory (the memory check found fragmentation to be
+  # most of the plan's misses). As run, the expandable runs set PYTORCH_CUDA_ALLOC_CONF and the
+  # classic ones were plain `dtrain ddp|fsdp`, then the default.
   expandable_ddp)
-    dtrain ddp; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True dtrain_as ddp_expandable strategy=ddp ;;
+    dtrain_as ddp strategy=ddp trainer.expandable_segments=false
+    dtrain_as ddp_expandable strategy=ddp trainer.expandable_segments=true ;;
   expandable_fsdp)
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True dtrain_as fsdp_expandable strategy=fsdp; dtrain fsdp ;;
+    dtrain_as fsdp_expandable strategy=fsdp trainer.expandable_segments=true
+    dtrain_as fsdp strategy=fsdp trainer.expandable_segments=false ;;
   dtrain) for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;
   baselines) baselines ;;
   all) baselines; for s in ddp fsdp zero1 zero2 zero3; do dtrain $s; done ;;

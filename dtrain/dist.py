@@ -66,38 +66,47 @@ def _free_port() -> int:
 
 
 EXPANDABLE = "expandable_segments:True"
+# Where a user sets the allocator's options: torch 2.9+ reads PYTORCH_ALLOC_CONF too, and
+# PYTORCH_CUDA_ALLOC_CONF (then HIP's) wins over it. Any of them set: dtrain leaves all alone
+# (its setter would reset every option the string does not name).
+USER_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def allocator_settings(device: torch.device, expandable: bool, environ=os.environ) -> str | None:
-    """The CUDA caching allocator's settings this process should run with, and whether dtrain
-    sets them: None where it leaves the allocator alone (CPU, or expandable segments off).
+    """The CUDA caching allocator's settings dtrain applies, or None where it leaves the
+    allocator alone (CPU, expandable segments off, or the user set the allocator's options).
 
-    PYTORCH_CUDA_ALLOC_CONF set by the user wins. Otherwise expandable segments: a segment grows
-    in place instead of a new one being cut for every odd-sized request, so freed blocks of one
-    size are not stranded beside requests of another. Measured (docs/benchmarks.md, "Memory
-    per GPU: the whole grid"): reserved minus allocated on 1b, bf16, 2x H200, one call: fsdp
-    5.8 -> 3.1 GiB, ddp 2.4 -> 0.3 GiB, at the same tokens/s (fsdp 109.4k -> 113.0k, ddp
-    113.6k -> 113.3k); on 350m, ZeRO-1/2 4.9 -> 2.4 GiB and ZeRO-3 3.4 -> 2.2 GiB."""
-    if device.type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in environ or not expandable:
+    Expandable segments: a segment grows in place instead of a new one being cut for every
+    odd-sized request, so freed blocks of one size are not stranded beside requests of another.
+    Measured (docs/benchmarks.md, "Memory per GPU: the whole grid"): reserved minus allocated on
+    1b, bf16, 2x H200, one call: fsdp 5.8 -> 3.1 GiB, ddp 2.4 -> 0.3 GiB, at the same tokens/s
+    (fsdp 109.4k -> 113.0k, ddp 113.6k -> 113.3k); on 350m, ZeRO-1/2 4.9 -> 2.4 GiB and ZeRO-3
+    3.4 -> 2.2 GiB."""
+    if device.type != "cuda" or not expandable or any(v in environ for v in USER_ALLOC_VARS):
         return None
     return EXPANDABLE
 
 
-def configure_allocator(device: torch.device, expandable: bool) -> str:
-    """Apply `allocator_settings` before the first allocation; returns what the allocator runs
-    with (for the run's record): dtrain's setting, the user's PYTORCH_CUDA_ALLOC_CONF, or
-    "default"."""
-    settings = allocator_settings(device, expandable)
+def _allocator_setter():
+    # torch's runtime switch (its own tests flip expandable segments this way); named
+    # _accelerator_setAllocatorSettings from torch 2.9, torch.cuda.memory's before.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    return setter or torch.cuda.memory._set_allocator_settings
+
+
+def configure_allocator(device: torch.device, expandable: bool, environ=os.environ) -> str:
+    """Apply `allocator_settings` (before the first allocation, so every segment is
+    expandable); returns what the allocator runs with, for the run's record: dtrain's
+    setting, "user: VAR=..." or "default" ("-" off CUDA). Each rank calls it for itself, so the
+    environment is left as the user set it."""
+    if device.type != "cuda":
+        return "-"
+    settings = allocator_settings(device, expandable, environ)
     if settings is not None:
-        # Set in the environment too, so that processes this one starts inherit it.
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = settings
-        # A runtime switch (torch's own tests flip expandable segments this way); before any
-        # allocation, so every segment is expandable. Renamed in torch 2.9+.
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        if setter is None:
-            setter = torch.cuda.memory._set_allocator_settings
-        setter(settings)
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default") if device.type == "cuda" else "-"
+        _allocator_setter()(settings)
+        return settings
+    user = [f"{v}={environ[v]}" for v in USER_ALLOC_VARS if v in environ]
+    return "user: " + ", ".join(user) if user else "default"
 
 
 def init_distributed(

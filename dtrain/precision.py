@@ -291,7 +291,11 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
     if precision.quantize == "int8":
         from dtrain.lowp.int8 import apply_int8
 
-        apply_int8(module, block_linear_filter, grad_weight=precision.int8_grad_weight or "int8")
+        apply_int8(
+            module,
+            block_linear_filter,
+            grad_weight=precision.int8_grad_weight or INT8_GRAD_WEIGHT_DEFAULT,
+        )
     elif precision.quantize == "int8-torchao":
         from dtrain.lowp.torchao_ref import apply_torchao_int8
 
