@@ -370,6 +370,9 @@ FSDP_WORKER = textwrap.dedent(
     dist.all_gather_object(out, got)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"shapes": shapes, "bytes": out}))
+    # Both ranks past every collective before either tears gloo down: in one fast-tier run
+    # (2026-11-26) rank 1 aborted in teardown ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     """
 )
