@@ -133,7 +133,7 @@ class TrainerConfig:
     # pick) | cudnn | flash | efficient | math.
     attention_kernel: str = "auto"
     # CUDA caching allocator with expandable segments (dtrain.dist.allocator_settings), unless
-    # PYTORCH_CUDA_ALLOC_CONF is set: less memory held by fragmentation, same speed.
+    # the user set PYTORCH_[CUDA_]ALLOC_CONF: less memory held by fragmentation, same speed.
     expandable_segments: bool = True
     # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
     # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.

@@ -78,10 +78,10 @@ def allocator_settings(device: torch.device, expandable: bool, environ=os.enviro
 
     Expandable segments: a segment grows in place instead of a new one being cut for every
     odd-sized request, so freed blocks of one size are not stranded beside requests of another.
-    Measured (docs/benchmarks.md, "Memory per GPU: the whole grid"): reserved minus allocated on
-    1b, bf16, 2x H200, one call: fsdp 5.8 -> 3.1 GiB, ddp 2.4 -> 0.3 GiB, at the same tokens/s
-    (fsdp 109.4k -> 113.0k, ddp 113.6k -> 113.3k); on 350m, ZeRO-1/2 4.9 -> 2.4 GiB and ZeRO-3
-    3.4 -> 2.2 GiB."""
+    Measured (docs/benchmarks.md, "the allocator's expandable segments" and "the whole grid"):
+    reserved minus allocated on 1b, bf16, 2x H200, one call: fsdp 5.8 -> 3.1 GiB, ddp 2.4 ->
+    0.3 GiB, at the same tokens/s (fsdp 109.4k -> 113.0k, ddp 113.6k -> 113.3k); on 350m,
+    ZeRO-1/2 4.9 -> 2.4 GiB and ZeRO-3 3.4 -> 2.2 GiB."""
     if device.type != "cuda" or not expandable or any(v in environ for v in USER_ALLOC_VARS):
         return None
     return EXPANDABLE
