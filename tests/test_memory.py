@@ -372,6 +372,8 @@ FSDP_WORKER = textwrap.dedent(
         print("RESULT " + json.dumps({"shapes": shapes, "bytes": out}))
     # Both ranks past every collective before either tears gloo down: in one fast-tier run
     # (2026-11-26) rank 1 aborted in teardown ("terminate called without an active exception").
+    # A guard, not a proven fix: the same abort hit bench/plain_loop.py's fsdp smoke once, and
+    # neither reproduced in 20 runs on their own, loaded or not.
     dist.barrier()
     dist.destroy_process_group()
     """
