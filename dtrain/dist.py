@@ -198,7 +198,8 @@ def all_reduce_max_flag(flag: bool, device: torch.device) -> bool:
 
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
     """The command line that trains with `overrides`: python launch/train.py for one process,
-    torchrun --standalone with nproc ranks otherwise (sweeps, benchmarks and tests use it)."""
+    dtrain-torchrun --standalone with nproc ranks otherwise (sweeps, benchmarks and tests use
+    it): torchrun that stops on a signal with a save and exit 0 (dtrain/launcher.py)."""
     import sys
     from pathlib import Path
 
@@ -208,7 +209,7 @@ def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "dtrain.launcher",
         "--standalone",
         f"--nproc_per_node={nproc}",
         launch,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import sys
 import time
 from dataclasses import asdict, replace
@@ -49,7 +48,9 @@ from dtrain.model import count_params, flops_per_token
 from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
+from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.profiling import StepProfiler
+from dtrain.rundir import hold_run_dir
 from dtrain.strategies import build_strategy
 from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
 
@@ -78,62 +79,6 @@ def run_identity(cfg: TrainConfig) -> dict:
         for group, keys in IDENTITY_KEYS.items()
         for key in keys
     }
-
-
-class StopSignal:
-    """SIGTERM/SIGINT/SIGUSR1 -> stop after this step, save, exit 0.
-
-    Ranks must agree on the step at which they stop, so the local flags are max-reduced every
-    step. The reduction of step s is read at the end of step s+1, through a pinned buffer and
-    an event: waiting for it never stalls the GPU, whose queue already holds step s+1.
-    """
-
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # trainer.stop_signals
-
-    def __init__(self, device: torch.device, distributed: bool, signals=SIGNALS):
-        self.local = False
-        self.device, self.distributed = device, distributed
-        self._pending = None
-        self._old = {}
-        for s in (signal.Signals[name] for name in signals):
-            try:
-                self._old[s] = signal.signal(s, self._handle)
-            except ValueError:  # not the main thread (e.g. inside a test harness)
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        if not self.local:
-            log.warning(
-                "received %s: saving a checkpoint and stopping", signal.Signals(signum).name
-            )
-        self.local = True
-
-    def poll(self) -> bool:
-        if not self.distributed:
-            return self.local
-        import torch.distributed as dist
-
-        agreed = False
-        if self._pending is not None:
-            host, event = self._pending
-            if event is not None:
-                event.synchronize()
-            agreed = bool(host.item())
-        flag = torch.tensor([int(self.local)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if self.device.type == "cuda":
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
-        else:
-            self._pending = (flag, None)
-        return agreed
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
@@ -260,37 +205,48 @@ def run(cfg: TrainConfig) -> dict:
     from dtrain.strategies import STRATEGIES
 
     cls = STRATEGIES.get(cfg.strategy.name)
-    env = ddist.init_distributed(
-        cfg.trainer.device,
-        timeout_s=cfg.trainer.collective_timeout_s,
-        force_group=bool(cls and cls.needs_distributed),
-        expandable_segments=cfg.trainer.expandable_segments,
-    )
-    heartbeat = None
-    if env.distributed:
-        from dtrain.watchdog import Heartbeat
-
-        heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
-    # Installed here so that the handlers are put back however _run ends (a bad-input error
+    # Stop signals are caught from the start, so that one during start-up (compiling, loading)
+    # still ends in a save; the handlers are put back however the run ends (a bad-input error
     # raised half-way must not leave this run's handler behind for the next one in-process).
-    stop = StopSignal(env.device, env.distributed, cfg.trainer.stop_signals)
+    stop = StopSignal(cfg.trainer.stop_signals)
+    orphan = OrphanWatch(stop)
+    env = heartbeat = None
     try:
-        with attention_kernel(cfg.trainer.attention_kernel):
-            return _run(cfg, env, stop, heartbeat=heartbeat)
-    except RuntimeError as e:
-        from dtrain.watchdog import is_timeout
+        with hold_run_dir(cfg.run_dir):
+            env = ddist.init_distributed(
+                cfg.trainer.device,
+                timeout_s=cfg.trainer.collective_timeout_s,
+                force_group=bool(cls and cls.needs_distributed),
+                expandable_segments=cfg.trainer.expandable_segments,
+            )
+            stop.attach(env.device, env.distributed)
+            if env.distributed:
+                from dtrain.watchdog import Heartbeat
 
-        if heartbeat is None or not is_timeout(e):
-            raise
-        hung = heartbeat.timeout_error(e)
-        heartbeat = None  # a peer is gone: tearing the group down could block too
-        raise hung from None
+                heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
+            try:
+                with attention_kernel(cfg.trainer.attention_kernel):
+                    summary = _run(cfg, env, stop, heartbeat=heartbeat)
+                # gloo's barrier waits for every op still in flight on this rank (FSDP2 issues
+                # async ones): a group torn down with one pending aborted a rank now and then
+                # ("terminate called without an active exception").
+                ddist.barrier()
+                return summary
+            except RuntimeError as e:
+                from dtrain.watchdog import is_timeout
+
+                if heartbeat is None or not is_timeout(e):
+                    raise
+                hung = heartbeat.timeout_error(e)
+                heartbeat = None  # a peer is gone: tearing the group down could block too
+                raise hung from None
     finally:
+        orphan.close()
         stop.restore()
         if heartbeat is not None:
             heartbeat.close()
             ddist.shutdown()
-        elif not env.distributed:
+        elif env is not None and not env.distributed:
             ddist.shutdown()
 
 

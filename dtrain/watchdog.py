@@ -131,3 +131,7 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        # Joined, not left to die with the interpreter: a daemon thread still inside a store
+        # call at exit is ended by pthread_exit from C++ code, which aborts the whole process
+        # ("terminate called without an active exception", seen on 2-rank CPU runs).
+        self.thread.join(timeout=2 * self.interval)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start dtrain on this node under torchrun; rendezvous and sizes come from the environment.
+# Start dtrain on this node under dtrain-torchrun (torchrun with graceful stops); rendezvous and sizes come from the environment.
 # It is the Docker image's entrypoint, and what launch/slurm.sbatch and launch/k8s/ run on every
 # node; arguments are Hydra overrides, passed through to launch/train.py unchanged.
 #
@@ -76,5 +76,7 @@ fi
 # (pytorch/pytorch#135712, #167288).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-echo "dtrain: torchrun ${args[*]} ${train} $*" >&2
-exec "${python}" -m torch.distributed.run "${args[@]}" "${train}" "$@"
+# dtrain.launcher is torchrun (same options) that meets SIGTERM/SIGUSR1 with a checkpoint and
+# exit 0, and passes dtrain's exit codes (2 bad input, 3 fault) through: docs/reliability.md.
+echo "dtrain: dtrain-torchrun ${args[*]} ${train} $*" >&2
+exec "${python}" -m dtrain.launcher "${args[@]}" "${train}" "$@"

@@ -2,7 +2,8 @@
 
 Hydra composes conf/train.yaml with the overrides; dtrain.config turns it into dataclasses and
 dtrain.train.run trains. Bad input gets one line on stderr and exit code 2: the overrides are
-checked (composed and validated) before Hydra creates or touches the run dir.
+checked (composed and validated) before Hydra creates or touches the run dir, and the run dir
+is locked for this run (dtrain/rundir.py) before Hydra writes into it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from dtrain.config import CONF_DIR, check_overrides  # noqa: E402
 from dtrain.errors import FaultError, UserError, fail  # noqa: E402
+from dtrain.rundir import acquire as acquire_run_dir  # noqa: E402
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
@@ -38,7 +40,9 @@ def main(dcfg: DictConfig) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     try:
-        check_overrides(sys.argv[1:])
+        cfg = check_overrides(sys.argv[1:])
+        if cfg is not None:  # held until this process exits: one run per run dir
+            acquire_run_dir(cfg.run_dir)
     except UserError as e:
         fail(e)
     main()

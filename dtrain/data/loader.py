@@ -28,6 +28,7 @@ import torch
 from dtrain.data.stream import SKIP_KINDS, StreamSpec, classify, is_heldout, start_state
 from dtrain.data.stream import stream_blocks as _stream_blocks
 from dtrain.errors import ConfigError, DataError
+from dtrain.preemption import ignore_stop_signals
 
 log = logging.getLogger("dtrain")
 
@@ -121,6 +122,7 @@ class _StepReader:
             pin_memory=False,  # the stacked micro-batch is pinned instead (one copy, not two)
             prefetch_factor=b.prefetch_factor if workers else None,
             persistent_workers=False,
+            worker_init_fn=ignore_stop_signals if workers else None,
         )
         self.it = iter(loader)
         self.k = k  # the global index of this rank's next block
