@@ -35,7 +35,7 @@ export TORCH_CUDA_ARCH_LIST=9.0
 
 dtrain_run() {  # $1 = result name, $2 = processes, then overrides (strategy=..., bf16 unless set)
   local name=$1 n=$2; shift 2
-  local L="python3"; [ "$n" -gt 1 ] && L="torchrun --standalone --nproc_per_node=$n"
+  local L="python3"; [ "$n" -gt 1 ] && L="python3 -m dtrain.launcher --standalone --nproc_per_node=$n"
   case " $* " in *" precision="*) ;; *) set -- "$@" precision=bf16 ;; esac
   rm -rf /tmp/runs/$name
   $L launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/$name.log 2>&1

@@ -123,6 +123,7 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
+        self.post_step = None  # the precision's work after each optimizer step (post_step_hook)
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
         # dtrain.nonfinite.NonfiniteGuard, set by the loop (trainer.on_nonfinite); with fp16
         # the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
@@ -223,6 +224,8 @@ class Strategy:
             self.nonfinite.step(self.optimizer, norm)
         else:
             self.optimizer.step()
+        if self.post_step is not None:
+            self.post_step()
         if self._state_bytes is None and self.optimizer.state:  # grads + states exist now
             self._state_bytes = self.measure_state_bytes()
         self.optimizer.zero_grad(set_to_none=True)

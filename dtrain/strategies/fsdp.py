@@ -26,7 +26,12 @@ from torch import nn
 from dtrain.config import ModelConfig, OptimConfig
 from dtrain.errors import ConfigError
 from dtrain.model import GPT
-from dtrain.precision import apply_precision, build_loss_scaler, build_precision_optimizer
+from dtrain.precision import (
+    apply_precision,
+    build_loss_scaler,
+    build_precision_optimizer,
+    post_step_hook,
+)
 from dtrain.strategies.base import Strategy, compile_blocks
 
 # Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
@@ -163,6 +168,7 @@ class FSDPStrategy(Strategy):
         optim_cfg = sharded_scaler_optim(p, optim_cfg)
         self.optimizer = build_precision_optimizer(model, optim_cfg, p, self.device)
         self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
+        self.post_step = post_step_hook(p, model, sharded=True)
 
     # --- training ----------------------------------------------------------------------
     def no_sync(self, last_micro: bool):
