@@ -4,8 +4,9 @@ FSDP2 all-gathers fp8 weights; every shard must cast with the same scale. After 
 step the strategy precomputes all weights' scales in one all-reduce (precision.post_step_hook)
 instead of one all-reduce per linear in the next forward. This trains 3 steps with the hook and
 3 without, from the same weights and data, and writes rank{r}.txt into argv[1]: how many fp8
-weights carry a precomputed scale after the hooked run, and whether both runs ended on the same
-weights bit for bit (the precomputed scale is the one the forward would compute).
+weights carry a precomputed scale and a cached fp8 shard (lowp/fp8.install_cached_weight_cast)
+after the hooked run, and whether both runs ended on the same weights bit for bit (the scale
+and the cast are the ones the forward would compute, and a stale cache would change step 2).
 """
 
 import sys
@@ -36,16 +37,15 @@ def train(env, cfg, hooked: bool):
         tok = torch.randint(0, 64, (2, 17), generator=gen)
         s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
         s.clip_and_step(1e-2, 1.0)
-    scaled = sum(
-        getattr(getattr(p, "_local_tensor", None), "_precomputed_scale", None) is not None
-        for p in s.module.parameters()
-    )
+    locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
+    scaled = sum(getattr(t, "_precomputed_scale", None) is not None for t in locals_)
+    cached = sum(hasattr(t, "_dtrain_fp8") for t in locals_)  # fp8 shards cast once a step
     weights = {
         k: v.full_tensor().clone()
         for k, v in s.module.state_dict().items()
         if hasattr(v, "full_tensor")
     }
-    return scaled, weights
+    return scaled, cached, weights
 
 
 def main() -> None:
@@ -61,10 +61,12 @@ def main() -> None:
         ]
     )
     cfg.model.vocab_size = 64
-    scaled, hooked = train(env, cfg, hooked=True)
-    unscaled, plain = train(env, cfg, hooked=False)
+    scaled, cached, hooked = train(env, cfg, hooked=True)
+    unscaled, _, plain = train(env, cfg, hooked=False)
     same = hooked.keys() == plain.keys() and all(torch.equal(hooked[k], plain[k]) for k in hooked)
-    Path(sys.argv[1], f"rank{env.rank}.txt").write_text(f"{scaled} {unscaled} {int(same)}\n")
+    Path(sys.argv[1], f"rank{env.rank}.txt").write_text(
+        f"{scaled} {cached} {unscaled} {int(same)}\n"
+    )
     ddist.barrier()
     ddist.shutdown()
 

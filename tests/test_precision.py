@@ -460,11 +460,12 @@ def test_fsdp_fp8_precomputes_weight_scales_after_each_step(tmp_path):
     """fp8 under fsdp all-gathers fp8 weights; their scales are computed for all linears in one
     all-reduce after the step (torchao's precompute, as torchtitan does), not one all-reduce
     per linear in the next forward. The path is taken (every fp8 weight holds a precomputed
-    scale) and changes nothing but the speed (the weights equal a run without it, bit for bit)."""
+    scale and a cached fp8 shard, cast once per step) and changes nothing but the speed (the
+    weights equal a run without either, bit for bit)."""
     from tests.conftest import ROOT, torchrun_script
 
     res = torchrun_script(ROOT / "tests" / "fsdp_fp8_worker.py", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     for r in (0, 1):
-        scaled, unscaled, same = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
-        assert scaled == 4 * 7 and unscaled == 0 and same == 1
+        scaled, cached, unscaled, same = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
+        assert scaled == cached == 4 * 7 and unscaled == 0 and same == 1
