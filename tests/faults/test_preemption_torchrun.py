@@ -19,7 +19,7 @@ import torch
 
 from dtrain.checkpoint import latest_complete
 from dtrain.weights import load_checkpoint
-from tests.conftest import launch
+from tests.conftest import FAST, launch
 from tests.faults.helpers import descendants, kill_tree, start, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def test_random_time_stops_under_torchrun_resume_bit_exact(tmp_path, strategy):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"seed {seed}")
-    ref = launch(*RUN, f"strategy={strategy}", f"hydra.run.dir={tmp_path / 'ref'}", nproc=2)
+    ref = launch(*FAST, *RUN, f"strategy={strategy}", f"hydra.run.dir={tmp_path / 'ref'}", nproc=2)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run, steps = tmp_path / "run", []
@@ -120,7 +120,7 @@ def test_random_time_stops_under_torchrun_resume_bit_exact(tmp_path, strategy):
         steps.append(_interrupt(run, how, rng, strategy))
         assert steps[-1] < MAX_STEPS, f"the run ended before the {how} signal (seed {seed})"
     assert steps == sorted(steps), steps
-    last = launch(*RUN, f"strategy={strategy}", f"hydra.run.dir={run}", nproc=2)
+    last = launch(*FAST, *RUN, f"strategy={strategy}", f"hydra.run.dir={run}", nproc=2)
     assert last.returncode == 0, last.stderr[-3000:]
 
     want, got = _weights(tmp_path / "ref"), _weights(run)
