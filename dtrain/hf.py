@@ -256,14 +256,23 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     st = _safetensors()
     hf_dir = Path(hf_dir)
     if (hf_dir / INDEX).is_file():
-        files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{hf_dir / INDEX} is not a safetensors index ({e})") from None
     elif (hf_dir / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
         raise ConfigError(f"{hf_dir} has no {WEIGHTS} or {INDEX}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(st.load_file(str(hf_dir / f), device="cpu"))
+        if not isinstance(f, str) or Path(f).name != f:  # shards sit beside the index
+            raise CheckpointError(f"{hf_dir / INDEX} names a file outside {hf_dir}: {f!r}")
+        try:  # safetensors only: a pickled pytorch_model.bin is never read
+            out.update(st.load_file(str(hf_dir / f), device="cpu"))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{hf_dir / f} is not a safetensors file ({first})") from None
     return out
 
 

@@ -62,7 +62,13 @@ def _from_hydra(run_dir: Path, s: RunSummary) -> None:
         return
     from omegaconf import OmegaConf
 
-    c = OmegaConf.load(path)
+    from dtrain.errors import DataError
+
+    try:  # OmegaConf's loader is yaml's safe one: a python/object tag is an error, never code
+        c = OmegaConf.load(path)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a plain YAML config: {first}") from None
     s.strategy = str(OmegaConf.select(c, "strategy.name", default=s.strategy))
     s.precision = str(OmegaConf.select(c, "precision.name", default=s.precision))
     s.model = str(OmegaConf.select(c, "model.name", default=s.model))
