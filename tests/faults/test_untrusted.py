@@ -250,7 +250,9 @@ def test_zero2_resume_refuses_a_pickle_planted_in_its_checkpoint(ckpt, tmp_path)
     res = launch(*args, "trainer.max_steps=4", f"resume={bad}", f"hydra.run.dir={run}2", nproc=2)
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and re.search(_refused(LR), errors[0]), res.stderr[-3000:]
-    assert res.stderr.count("exitcode  : 2 ") == 2  # torchrun's report: both ranks exit 2
+    # torchrun's report: a rank exits 2; one still in its check may be stopped by torchrun
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr))
+    assert "2" in codes and codes <= {"2", "-15"}, res.stderr[-3000:]
     assert f'File "{ROOT / "dtrain"}' not in res.stderr  # torchrun's own trace only
     assert not proof.exists()
 
