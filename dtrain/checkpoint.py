@@ -16,8 +16,9 @@ pruned (renamed to `.deleting`, then removed) only after a newer one is complete
 
 Loading trusts nothing on disk: every file's sha256 is checked against the manifest (a
 truncated or altered shard is named), DCP's pickled `.metadata` is first read by an unpickler
-that only admits DCP's own metadata classes, and `extra_rank*.pt` is read with
-`torch.load(weights_only=True)`. No code in a checkpoint runs.
+that only admits DCP's own metadata classes, the pickled non-tensor items inside the shards
+(the optimizer's param_groups) are read as plain values only (dtrain.safe_load), and
+`extra_rank*.pt` is read with `torch.load(weights_only=True)`. No code in a checkpoint runs.
 """
 
 from __future__ import annotations
@@ -200,6 +201,20 @@ def check_metadata(path: Path) -> None:
         ) from None
 
 
+def check_checkpoint(
+    path: Path, manifest: dict, *, files: bool = True, rank: int = 0, world_size: int = 1
+) -> None:
+    """What every loader checks before DCP reads a checkpoint: the checksums (`files`;
+    collective under torchrun), the .metadata allow-list, and that every pickled item in the
+    shards is a plain value. A CheckpointError names the first problem."""
+    from dtrain.safe_load import check_objects
+
+    if files:
+        verify(path, manifest, rank, world_size)
+    check_metadata(path)
+    check_objects(path)
+
+
 def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> None:
     """Check every file against the manifest's sha256 (and size); collective under torchrun.
 
@@ -376,22 +391,19 @@ class CheckpointManager:
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e})") from None
 
+    def _check(self, path: Path, manifest: dict) -> None:
+        rank, world = self.rank, self.world_size
+        check_checkpoint(path, manifest, files=self.cfg.verify, rank=rank, world_size=world)
+
     def load(self, path: Path, state: dict) -> dict:
         """Load into `state` (a DCP state dict template) in place; return the manifest."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
+        from dtrain.safe_load import load_into
 
         path = Path(path)
         manifest = self.read_manifest(path)
         if path not in self._verified:
-            if self.cfg.verify:
-                verify(path, manifest, self.rank, self.world_size)
-            check_metadata(path)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # DCP wraps each rank's error
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
+            self._check(path, manifest)
+        load_into(path, state)
         extra = path / f"extra_rank{self.rank}.pt"
         if manifest.get("world_size") == self.world_size and extra.exists():
             try:  # weights_only: tensors and plain containers, never arbitrary objects
@@ -420,9 +432,7 @@ class CheckpointManager:
                 manifest = self.read_manifest(path)
                 if accept is not None:
                     accept(path, manifest)
-                if self.cfg.verify:
-                    verify(path, manifest, self.rank, self.world_size)
-                check_metadata(path)
+                self._check(path, manifest)
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:

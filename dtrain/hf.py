@@ -12,8 +12,11 @@ safetensors is imported lazily: only export and `model.init_from=hf:DIR` need it
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -223,6 +226,19 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
+# What an export writes, plus the index of a sharded one: left beside a new model.safetensors,
+# a stale index would be what loaders read.
+HF_FILES = (WEIGHTS, CONFIG, INDEX)
+
+
+def check_new_files(paths: list[Path]) -> None:
+    """FileExistsError naming the first of `paths` that exists (an export never replaces a file
+    unless asked to)."""
+    for p in paths:
+        if p.exists():
+            raise FileExistsError(errno.EEXIST, "already exists", str(p))
+
+
 def save_hf(
     model_state: dict[str, torch.Tensor],
     cfg: ModelConfig,
@@ -230,24 +246,35 @@ def save_hf(
     *,
     dtype: torch.dtype = torch.float32,
     tokenizer=None,
+    overwrite: bool = False,
 ) -> Path:
     """Write out_dir/{model.safetensors, config.json} (+ the tokenizer if it is a Hugging Face
-    one, i.e. has save_pretrained). Files are written under a temp name, then renamed."""
+    one, i.e. has save_pretrained). Files are written under a temp name, then renamed.
+
+    Unless `overwrite`, FileExistsError before anything is written if one of them (or a
+    sharded export's index) is already there."""
     st = _safetensors()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf = to_hf_state_dict(model_state, cfg)
-    hf = {k: v.to(dtype=dtype, device="cpu").contiguous() for k, v in hf.items()}
-    eos = getattr(tokenizer, "eot_id", None)
-    tmp = out_dir / (WEIGHTS + ".tmp")
-    st.save_file(hf, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out_dir / WEIGHTS)
-    config = hf_config(cfg, dtype=dtype, eos_id=eos)
-    tmp = out_dir / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out_dir / CONFIG)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(out_dir))
+    config = hf_config(cfg, dtype=dtype, eos_id=getattr(tokenizer, "eot_id", None))
+    with tempfile.TemporaryDirectory() as staging:
+        names = list(HF_FILES)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(staging)  # staged: its file names are known only now
+            names += sorted(os.listdir(staging))
+        if not overwrite:
+            check_new_files([out_dir / n for n in names])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / INDEX).unlink(missing_ok=True)  # overwrite=true: never leave a stale index
+        hf = to_hf_state_dict(model_state, cfg)
+        hf = {k: v.to(dtype=dtype, device="cpu").contiguous() for k, v in hf.items()}
+        tmp = out_dir / (WEIGHTS + ".tmp")
+        st.save_file(hf, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out_dir / WEIGHTS)
+        tmp = out_dir / (CONFIG + ".tmp")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, out_dir / CONFIG)
+        for name in os.listdir(staging):
+            shutil.move(os.path.join(staging, name), out_dir / name)
     return out_dir
 
 
@@ -256,14 +283,23 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     st = _safetensors()
     hf_dir = Path(hf_dir)
     if (hf_dir / INDEX).is_file():
-        files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{hf_dir / INDEX} is not a safetensors index ({e})") from None
     elif (hf_dir / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
         raise ConfigError(f"{hf_dir} has no {WEIGHTS} or {INDEX}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(st.load_file(str(hf_dir / f), device="cpu"))
+        if not isinstance(f, str) or Path(f).name != f:  # shards sit beside the index
+            raise CheckpointError(f"{hf_dir / INDEX} names a file outside {hf_dir}: {f!r}")
+        try:  # safetensors only: a pickled pytorch_model.bin is never read
+            out.update(st.load_file(str(hf_dir / f), device="cpu"))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{hf_dir / f} is not a safetensors file ({first})") from None
     return out
 
 

@@ -4,6 +4,9 @@ A checkpoint folder (`checkpoints/step_NNNNNNN/`) is a torch.distributed.checkpo
 by every rank of the run plus a manifest holding the run's config. DCP stores each tensor with
 its global shape and where every shard lives, so it reshards on load: a checkpoint written by
 8 FSDP ranks loads into one plain model, in one process, with no process group.
+
+Both loaders check the checkpoint as resume does (checksums against the manifest, the DCP
+index, every pickled item a plain value: dtrain.checkpoint.check_checkpoint) before reading it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.checkpoint import CheckpointManager, check_metadata, latest_complete
+from dtrain.checkpoint import CheckpointManager, check_checkpoint, latest_complete
 from dtrain.config import DataConfig, ModelConfig
 from dtrain.errors import CheckpointError
 from dtrain.model import GPT, rope_tables
@@ -93,11 +96,11 @@ def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Build the checkpoint's model on `device` and load its weights (any strategy, any world
     size). Only the model is read; optimizer shards stay on disk."""
-    import torch.distributed.checkpoint as dcp
+    from dtrain.safe_load import load_into
 
     path = Path(path)
     model_cfg, data_cfg, manifest = checkpoint_configs(path)
-    check_metadata(path)  # DCP unpickles .metadata: refuse one that holds more than its index
+    check_checkpoint(path, manifest)
     # The weights come from the checkpoint: never re-import the run's starting point.
     model_cfg = dataclasses.replace(model_cfg, init_from=None)
     model = _empty_model(model_cfg, device)
@@ -109,11 +112,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
             f"checkpoint {path} lacks {len(missing)} model tensors (first: {missing[0]}); "
             "it was not saved by dtrain's Strategy.state_dict"
         )
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
+    load_into(path, state)
     # DCP loads in place into the state dict's tensors, which are the parameters; should it
     # ever hand back a new tensor instead, copy it in.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -127,18 +126,16 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
 def consolidate(path: str | Path, out_file: str | Path) -> Path:
     """Write a (possibly sharded) DCP checkpoint as one torch.save file: {"model": ..., "optim":
     ..., "manifest": ...}, loadable with torch.load(weights_only=True) on one process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from dtrain.safe_load import load_all
 
     path, out_file = Path(path), Path(out_file)
     manifest = CheckpointManager.read_manifest(path)
-    check_metadata(path)  # DCP unpickles .metadata: refuse one that holds more than its index
+    check_checkpoint(path, manifest)
+    # Not dcp_to_torch_save: it unpickles the pickled items with weights_only off.
+    state = load_all(path)
+    state["manifest"] = manifest  # the run config and step make the file self-describing
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(out_file.name + ".tmp")
-    dcp_to_torch_save(str(path), str(tmp))
-    # dcp_to_torch_save writes the state alone; the manifest (run config, step) makes the file
-    # self-describing. Re-saving costs one more pass, which a one-off export can afford.
-    state = torch.load(tmp, weights_only=True)
-    state["manifest"] = manifest
     torch.save(state, tmp)
     tmp.replace(out_file)
     return out_file

@@ -13,6 +13,7 @@ optimizer states), compared with the predicted model state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -62,7 +63,13 @@ def _from_hydra(run_dir: Path, s: RunSummary) -> None:
         return
     from omegaconf import OmegaConf
 
-    c = OmegaConf.load(path)
+    from dtrain.errors import DataError
+
+    try:  # OmegaConf's loader is yaml's safe one: a python/object tag is an error, never code
+        c = OmegaConf.load(path)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a plain YAML config: {first}") from None
     s.strategy = str(OmegaConf.select(c, "strategy.name", default=s.strategy))
     s.precision = str(OmegaConf.select(c, "precision.name", default=s.precision))
     s.model = str(OmegaConf.select(c, "model.name", default=s.model))
@@ -275,11 +282,27 @@ def write_chart(runs: list[RunSummary], path: Path) -> None:
     ax.set_title(f"Memory per GPU (worst rank): predicted vs measured\n{what}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=120)
+        tmp.replace(path)
+    except OSError as e:  # an unwritable folder, a full disk: nothing half-written stays
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"--png {path}: cannot write the chart ({e})") from None
+    finally:
+        plt.close(fig)
+
+
+def check_png_path(path: Path) -> None:
+    """Refuse a --png path the chart could not replace, before any run is read."""
+    from dtrain.errors import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(
+            f"--png {path} is a directory; give a file name, e.g. --png {path / 'memory.png'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per run instead")
     args = ap.parse_args(argv)
     try:
+        if not args.no_png:
+            check_png_path(Path(args.png))
         runs = [read_run(d) for d in args.run_dirs]
         if args.json:
             for r in runs:

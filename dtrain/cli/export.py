@@ -8,7 +8,9 @@ format=hf writes DIR/model.safetensors + DIR/config.json (+ the tokenizer files 
 used a Hugging Face tokenizer): `LlamaForCausalLM.from_pretrained(DIR)` loads it, and
 `model.init_from=hf:DIR` trains from it. format=torch writes the whole training state (model,
 optimizer, manifest) of a checkpoint saved by any number of ranks into one torch.save file.
-`checkpoint` is a checkpoints/step_NNNNNNN folder or a run dir (its newest checkpoint).
+`checkpoint` is a checkpoints/step_NNNNNNN folder or a run dir (its newest checkpoint); its
+files are checked against its manifest.json first. An existing output file is replaced only
+with overwrite=true.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class ExportArgs:
     out: str = ""
     format: str = "hf"  # hf | torch
     dtype: str = "float32"  # hf only: float32 | bfloat16 | float16
+    overwrite: bool = False  # replace output files that already exist
 
 
 FORMATS = ("hf", "torch")
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(f"format={args.format!r} is not valid; choose {', '.join(FORMATS)}")
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
+    from dtrain.hf import HF_FILES
     from dtrain.weights import consolidate, load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
@@ -49,6 +53,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.format == "torch":
         if out.is_dir():
             out = out / f"{path.name}.pt"
+        _refuse_existing([out], args.overwrite)
         consolidate(path, out)
         print(f"wrote {out}")
         return out
@@ -58,17 +63,38 @@ def main(argv: list[str] | None = None) -> Path:
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; format=hf writes a directory")
+    # Before the checkpoint is read; save_hf checks again, with the tokenizer's files.
+    _refuse_existing([out / name for name in HF_FILES], args.overwrite)
     loaded = load_checkpoint(path, "cpu")
     tokenizer = tokenizer_for(loaded.data_cfg)
-    save_hf(
-        loaded.model.state_dict(),
-        loaded.model_cfg,
-        out,
-        dtype=getattr(torch, args.dtype),
-        tokenizer=tokenizer,
-    )
+    try:
+        save_hf(
+            loaded.model.state_dict(),
+            loaded.model_cfg,
+            out,
+            dtype=getattr(torch, args.dtype),
+            tokenizer=tokenizer,
+            overwrite=args.overwrite,
+        )
+    except FileExistsError as e:
+        raise ConfigError(_exists(e.filename)) from None
     print(f"wrote {out} (LlamaForCausalLM, {args.dtype}) from {path}")
     return out
+
+
+def _exists(path) -> str:
+    return f"{path} already exists; pass overwrite=true to replace it, or choose another out="
+
+
+def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
+    from dtrain.hf import check_new_files
+
+    if overwrite:
+        return
+    try:
+        check_new_files(paths)
+    except FileExistsError as e:
+        raise ConfigError(_exists(e.filename)) from None
 
 
 if __name__ == "__main__":

@@ -101,12 +101,17 @@ def build_plan(argv: list[str]) -> dict:
     precision = build_precision(
         PrecisionConfig(**{**cfg.precision.__dict__}), torch.device("cpu"), check_device=False
     )
+    from dtrain.data import check_world_size
     from dtrain.strategies import STRATEGIES
 
+    # What training would refuse before it starts, the plan refuses too, with its words and
+    # in its order: the strategy's checks, the batch, then the data's streams.
     cls = STRATEGIES.get(cfg.strategy.name)
-    if cls is not None:  # what training would refuse before it starts, the plan refuses too
+    if cls is not None:
         cls.check_config(cfg.strategy, precision, "cuda")
+        cls.check_world(cfg.strategy, world)
     accum = resolve_grad_accum(cfg.trainer, world)
+    check_world_size(cfg.data, world)
     setup = setup_from_config(cfg, precision, world, device="cuda")
     plan = plan_memory(cfg.model, setup)
     best = largest_micro_batch(cfg.model, setup, gpu.memory_bytes)

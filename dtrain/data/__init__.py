@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 
 from dtrain.config import DataConfig
-from dtrain.data.loader import BatchStream, EvalBlocks, SyntheticBlocks, TrainStreams, eval_batches
+from dtrain.data.loader import (
+    BatchStream,
+    EvalBlocks,
+    SyntheticBlocks,
+    TrainStreams,
+    check_streams,
+    eval_batches,
+)
 from dtrain.data.sources import SOURCES, SourceSpec, build_source_spec, check_source, open_records
 from dtrain.data.stream import StreamSpec, classify, is_heldout
 from dtrain.data.tokenizer import build_tokenizer, default_cache_dir, padded_vocab
@@ -164,4 +171,18 @@ def tokenizer_for(cfg: DataConfig):
     return _tokenizer(cfg, spec, holdout, is_main=True, share=lambda text: text)
 
 
-__all__ = ["BatchStream", "DataBundle", "build_data", "eval_batches", "tokenizer_for"]
+def check_world_size(cfg: DataConfig, world_size: int) -> None:
+    """What BatchStream refuses for this data at this world size, without opening the data
+    (the planner runs it). Synthetic data is not cut into streams."""
+    if cfg.source != "synthetic":
+        check_streams(cfg.num_streams, world_size)
+
+
+__all__ = [
+    "BatchStream",
+    "DataBundle",
+    "build_data",
+    "check_world_size",
+    "eval_batches",
+    "tokenizer_for",
+]

@@ -204,6 +204,16 @@ class Prefetcher:
         self._thread.join(timeout=10)
 
 
+def check_streams(n_streams: int, world_size: int) -> None:
+    """Each rank owns whole streams: the world size must divide data.num_streams."""
+    if n_streams % world_size:
+        valid = [d for d in range(1, n_streams + 1) if n_streams % d == 0]
+        raise ConfigError(
+            f"data.num_streams={n_streams} cannot be split over {world_size} ranks; use a "
+            f"multiple of the world size, or a world size in {valid}"
+        )
+
+
 class BatchStream:
     """This rank's micro-batches, step after step: `next_step()`, `state_dict()`, resume.
 
@@ -232,12 +242,7 @@ class BatchStream:
         self._prefetch: Prefetcher | None = None
         if not self.synthetic:
             S = blocks.spec.n_streams
-            if S % world_size:
-                valid = [d for d in range(1, S + 1) if S % d == 0]
-                raise ConfigError(
-                    f"data.num_streams={S} cannot be split over {world_size} ranks; use a "
-                    f"multiple of the world size, or a world size in {valid}"
-                )
+            check_streams(S, world_size)
             self.owned = list(range(rank, S, world_size))
             self.states = {s: start_state() for s in self.owned}
 

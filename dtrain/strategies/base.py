@@ -150,8 +150,18 @@ class Strategy:
                     f"strategy={cfg.name}; its options: {honoured}"
                 )
 
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:
+        """The checks of the world size, which need no process group (the planner runs them)."""
+        if world_size > 1 and not cls.needs_distributed:
+            raise ConfigError(
+                f"strategy={cfg.name} runs one process but the world size is {world_size}; "
+                f"use strategy=ddp (or another multi-rank strategy) under torchrun"
+            )
+
     def check(self) -> None:
         self.check_config(self.cfg, self.precision, self.device.type)
+        self.check_world(self.cfg, self.env.world_size)
 
     @property
     def compile_enabled(self) -> bool:

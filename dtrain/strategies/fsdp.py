@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from dtrain.config import ModelConfig, OptimConfig
+from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
 from dtrain.errors import ConfigError
 from dtrain.model import GPT
 from dtrain.precision import (
@@ -93,9 +93,10 @@ class FSDPStrategy(Strategy):
         "replicate_degree",
     )
 
-    def check(self) -> None:
-        super().check()
-        world, r = self.env.world_size, self.cfg.replicate_degree
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:
+        super().check_world(cfg, world_size)
+        world, r = world_size, cfg.replicate_degree
         if world % r:
             raise ConfigError(
                 f"strategy.replicate_degree={r} does not divide the world size {world}; "
