@@ -54,6 +54,10 @@ CATALOGUE = [
     (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0, got -1"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio must be in [0, 1], got 2.0"),
     (["optim.beta1=-0.1"], "optim.beta1 must be in [0, 1), got -0.1"),
+    # non-finite numbers (once a NaN run saved a "last good state" of NaN tensors)
+    (["optim.lr=nan"], "optim.lr must be a finite number > 0, got nan"),
+    (["optim.lr=inf"], "optim.lr must be a finite number > 0, got inf"),
+    (["optim.weight_decay=nan"], "optim.weight_decay must be a finite number >= 0, got nan"),
     (["data.eval_fraction=1.5"], "data.eval_fraction must be in (0, 1), got 1.5"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last must be >= 0, got -1"),
     (["checkpoint.every_n_steps=-5"], "checkpoint.every_n_steps must be >= 0, got -5"),
@@ -207,6 +211,7 @@ def test_read_only_run_dir(world, tmp_path):
 SUBPROCESS = [
     ["optim=sgd"],
     ["trainer.seq_len=1.5"],
+    ["optim.lr=nan"],
     ["trainer.on_nonfinite=ignore"],
     ["data=local", "data.files=/no/such/*.txt"],
     ["resume={corrupt}"],
