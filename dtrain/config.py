@@ -112,6 +112,9 @@ class CheckpointConfig:
     # (the previous complete checkpoint stays the resume point).
     on_error: str = "stop"  # stop | continue
     verify: bool = True  # check every file's sha256 against the manifest before loading
+    # resume=PATH into a run dir holding later checkpoints: false refuses to start (they
+    # would be overwritten or pruned); true deletes them once the resume point is loaded.
+    overwrite_newer: bool = False
 
 
 @dataclass
@@ -606,11 +609,12 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         return None
     cfg = compose(list(argv))
     check_run_dir(cfg.run_dir)
-    if cfg.resume not in RESUME_CHOICES:
-        from dtrain.checkpoint import CheckpointManager
-
-        CheckpointManager.read_manifest(Path(cfg.resume))  # complete and readable?
     ckpts = Path(cfg.run_dir) / "checkpoints"
+    if cfg.resume not in RESUME_CHOICES:
+        from dtrain.checkpoint import CheckpointManager, check_newer
+
+        manifest = CheckpointManager.read_manifest(Path(cfg.resume))  # complete and intact?
+        check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     if cfg.resume == "never" and ckpts.is_dir() and any(ckpts.glob("step_*")):
         raise ConfigError(
             f"run dir {cfg.run_dir} already holds checkpoints; resume=never would overwrite "

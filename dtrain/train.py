@@ -22,6 +22,7 @@ from dtrain.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     CheckpointSaveError,
+    check_newer,
     latest_complete,
 )
 from dtrain.config import TrainConfig, resolve_grad_accum
@@ -137,7 +138,9 @@ class StopSignal:
 
 
 def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
-    """Which checkpoint to start from; refuses to overwrite another run's checkpoints."""
+    """Which checkpoint to start from; refuses to overwrite another run's checkpoints, or
+    this run's newer ones (unless checkpoint.overwrite_newer). resume=auto sets aside the
+    newer ones it skipped as bad, so that no save or pruning touches them."""
     latest = latest_complete(ckpt.root)
     if cfg.resume == "never":
         if latest is not None:
@@ -163,9 +166,13 @@ def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
 
     if cfg.resume == "auto":  # newest intact one; corrupt ones are skipped, with a warning
         found = ckpt.find_resumable(accept=same_run)
+        if found:
+            ckpt.set_aside(ckpt.rejected)
         return found[0] if found else None
     path = Path(cfg.resume)
-    same_run(path, CheckpointManager.read_manifest(path))
+    manifest = CheckpointManager.read_manifest(path)
+    same_run(path, manifest)
+    check_newer(ckpt.root, path, manifest["step"], cfg.checkpoint.overwrite_newer)
     return path
 
 
@@ -358,6 +365,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         stream.load_state_dict(manifest["data"])
         step = int(manifest["step"])
         log.info("resumed from %s (step %d)", resume_path, step)
+        if cfg.checkpoint.overwrite_newer and env.is_main:  # resolve_resume refused otherwise
+            ckpt.remove_newer(step)
     elif cfg.model.init_from:
         from dtrain.hf import load_hf_into, parse_init_from
 

@@ -18,7 +18,7 @@ import pytest
 from dtrain.config import DataConfig
 from dtrain.errors import CheckpointError
 from tests.conftest import ROOT, train
-from tests.faults.helpers import kill_tree, start, wait_for_step
+from tests.faults.helpers import kill_tree, start, wait_for_step, write_manifest
 
 
 class Exploit:
@@ -46,7 +46,7 @@ def _plant(ckpt: Path, dst: Path, name: str, payload: bytes) -> Path:
     manifest = json.loads((dst / "manifest.json").read_text())
     manifest["files"][name] = hashlib.sha256(payload).hexdigest()
     manifest["sizes"][name] = len(payload)
-    (dst / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(dst, manifest)  # COMPLETE re-signed too
     return dst
 
 
@@ -79,7 +79,7 @@ def test_resume_auto_skips_a_checkpoint_with_malicious_metadata(ckpt, tmp_path, 
     _plant(ckpt, run / "checkpoints" / "step_0000003", ".metadata", pickle.dumps(Exploit(proof)))
     manifest = json.loads((run / "checkpoints" / "step_0000003" / "manifest.json").read_text())
     manifest["step"] = 3
-    (run / "checkpoints" / "step_0000003" / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(run / "checkpoints" / "step_0000003", manifest)
     capfd.readouterr()
     train(run, "trainer.max_steps=4", "trainer.eval_every=0")
     err = capfd.readouterr().err
