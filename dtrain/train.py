@@ -47,7 +47,7 @@ from dtrain.metrics import (
     peak_flops,
 )
 from dtrain.model import count_params, flops_per_token
-from dtrain.nonfinite import NonfiniteGuard
+from dtrain.nonfinite import NonfiniteGuard, nonfinite_tensors
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
 from dtrain.profiling import StepProfiler
@@ -404,7 +404,22 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
 
     save_failures: list[int] = []
 
-    def save(at_step: int, final: bool = False) -> None:
+    def save(at_step: int, final: bool = False, cause: str | None = None) -> Path | None:
+        state = strategy.state_dict()
+        # A checkpoint never holds a NaN: saved, it would become the resume point, and
+        # keep_last would then prune the good ones. `cause` opens the message if it does.
+        counts = ddist.all_gather_object(nonfinite_tensors(state))
+        poisoned = next(((r, c) for r, c in enumerate(counts) if c[0]), None)
+        if poisoned is not None:
+            rank, (n, names) = poisoned
+            prev = latest_complete(ckpt.root) or resume_path
+            raise FaultError(
+                (f"{cause}, but " if cause else "")
+                + f"the weights or optimizer state at step {at_step} hold non-finite values "
+                f"({n} tensors on rank {rank}, e.g. {', '.join(names)}), so they were not "
+                f"saved; the last good state is {prev or 'none (nothing was saved before)'}; "
+                "stopping"
+            )
         manifest = {
             "identity": run_identity(cfg),
             "data": stream.state_dict(),
@@ -413,7 +428,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             "config": asdict(cfg),
         }
         try:
-            path = ckpt.save(at_step, strategy.state_dict(), manifest)
+            path = ckpt.save(at_step, state, manifest)
         except CheckpointSaveError as e:
             # A final save (end of run, signal, stop) has no later chance: always an error.
             if cfg.checkpoint.on_error == "stop" or final:
@@ -421,8 +436,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             save_failures.append(at_step)
             writer.scalars(at_step, {"checkpoint/save_failures": len(save_failures)})
             log.warning("%s; training continues (checkpoint.on_error=continue)", e)
-            return
+            return None
         log.info("saved checkpoint %s", path)
+        return path
 
     def do_eval(at_step: int) -> float:
         loss = evaluate(strategy, data, cfg, env)
@@ -434,7 +450,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
-    guard = NonfiniteGuard(t.on_nonfinite, env.device)
+    guard = NonfiniteGuard(t.on_nonfinite, env.device, start_step=step)
     strategy.nonfinite = guard
     inject = None
     if cfg.debug.inject_nonfinite_at_step is not None:
@@ -546,13 +562,17 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             throughput.restart()
         bad_step = guard.poll() if t.on_nonfinite == "stop" else None
         if bad_step is not None:
-            # The bad update was skipped, so the weights now are the last good state.
-            save(step, final=True)
+            # The bad update was skipped, so the weights now are the last good state, unless
+            # a NaN came in where the norm does not look: save() checks and refuses that.
             progress.close()
-            writer.close()
+            cause = f"non-finite loss or gradient norm at step {bad_step}: the update was skipped"
+            try:
+                path = save(step, final=True, cause=cause)
+            finally:
+                writer.close()
             raise FaultError(
                 f"non-finite loss or gradient norm at step {bad_step}: the update was skipped "
-                f"and the last good state saved at step {step} in {ckpt.root}; stopping "
+                f"and the last good state saved at step {step} as {path}; stopping "
                 "(trainer.on_nonfinite=stop; skip carries on past such steps)"
             )
         if stop.poll():
