@@ -7,17 +7,19 @@ Layout of one checkpoint (torch.distributed.checkpoint, one shard file per rank)
         .metadata             DCP's index of the shards
         extra_rank{r}.pt      per-rank RNG states (weights_only-loadable)
         manifest.json         step, run identity, data position, sha256 of every file
-        COMPLETE              the marker, written last
+        COMPLETE              the marker, written last: the sha256 of manifest.json
+                              (`sha256sum -c COMPLETE` in the folder checks it)
 
 A checkpoint is written under `step_NNNNNNN.partial/` and renamed to `step_NNNNNNN/` only after
 every rank has finished and the manifest and marker are on disk: a crash at any point leaves
 either the previous checkpoint set or a `.partial` folder that discovery ignores. Old ones are
 pruned (renamed to `.deleting`, then removed) only after a newer one is complete.
 
-Loading trusts nothing on disk: every file's sha256 is checked against the manifest (a
-truncated or altered shard is named), DCP's pickled `.metadata` is first read by an unpickler
-that only admits DCP's own metadata classes, the pickled non-tensor items inside the shards
-(the optimizer's param_groups) are read as plain values only (dtrain.safe_load), and
+Loading trusts nothing on disk: the manifest is checked against the marker's sha256 and its
+step against the folder's name, every file's sha256 against the manifest (a truncated or
+altered shard is named), DCP's pickled `.metadata` is first read by an unpickler that only
+admits DCP's own metadata classes, the pickled non-tensor items inside the shards (the
+optimizer's param_groups) are read as plain values only (dtrain.safe_load), and
 `extra_rank*.pt` is read with `torch.load(weights_only=True)`. No code in a checkpoint runs.
 """
 
@@ -74,6 +76,43 @@ def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:
 def latest_complete(ckpt_root: Path) -> Path | None:
     found = list_complete(ckpt_root)
     return found[-1][1] if found else None
+
+
+def list_step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Every step_NNNNNNN folder under ckpt_root, complete or not, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = ((_STEP_RE.match(p.name), p) for p in ckpt_root.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m and p.is_dir())
+
+
+def newer_checkpoints(ckpt_root: Path, step: int) -> list[Path]:
+    """Checkpoint folders past `step`: what a run starting at `step` would overwrite or prune."""
+    return [p for n, p in list_step_dirs(ckpt_root) if n > step]
+
+
+def check_newer(ckpt_root: Path, start: Path, step: int, allowed: bool) -> list[Path]:
+    """resume=<start> at `step` into a run dir holding later checkpoints: refused unless
+    `allowed` (checkpoint.overwrite_newer); returns those checkpoints."""
+    newer = newer_checkpoints(Path(ckpt_root), step)
+    if newer and not allowed:
+        names = ", ".join(p.name for p in newer)
+        raise CheckpointError(
+            f"resume={start} starts at step {step} but {ckpt_root} holds newer checkpoints "
+            f"({names}) that this run would overwrite or prune; resume from the newest, move "
+            "them out of that folder, or set checkpoint.overwrite_newer=true to delete them"
+        )
+    return newer
+
+
+def marker_text(manifest_sha256: str) -> str:
+    """What COMPLETE holds: sha256sum's line for manifest.json."""
+    return f"{manifest_sha256}  {MANIFEST}\n"
+
+
+_MARKER_RE = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
+LEGACY_MARKER = "ok\n"  # dtrain before the manifest checksum; accepted with a warning
+_legacy_warned: set[Path] = set()  # one warning per checkpoint, not one per read
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -252,6 +291,7 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._verified: set[Path] = set()  # checked by find_resumable: not hashed twice
+        self.rejected: list[Path] = []  # skipped by find_resumable, newest first
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
@@ -317,7 +357,8 @@ class CheckpointManager:
                 }
                 _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
                 faults.point("ckpt.save.after_manifest", step=step)
-                _write_atomic(partial / MARKER, "ok\n")
+                # The marker signs the manifest: an edited step or data position is refused.
+                _write_atomic(partial / MARKER, marker_text(sha256_file(partial / MANIFEST)))
                 faults.point("ckpt.save.after_marker", step=step)
                 if final.exists():  # an older save of the same step (e.g. rerun): replace it
                     shutil.rmtree(final)
@@ -381,15 +422,57 @@ class CheckpointManager:
                 f"consolidate its weights with DeepSpeed's `python {path}/zero_to_fp32.py {path} "
                 "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save its own format)"
             )
-        if not is_complete(path):
+        if not (path / MARKER).is_file():
             raise CheckpointError(
                 f"checkpoint {path} is incomplete (no {MARKER} marker): it was interrupted "
                 f"while being written; resume from an earlier one or use resume=auto"
             )
+        if not (path / MANIFEST).is_file():
+            raise CheckpointError(
+                f"checkpoint {path}: {MANIFEST} is missing (its {MARKER} marker is there, so it "
+                "was removed after the save)"
+            )
         try:
-            return json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            marker, raw = (path / MARKER).read_text(), (path / MANIFEST).read_bytes()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"checkpoint {path}: unreadable {MARKER} or {MANIFEST} ({e})"
+            ) from None
+        signed = _MARKER_RE.match(marker)
+        if signed and hashlib.sha256(raw).hexdigest() != signed.group(1):
+            raise CheckpointError(
+                f"checkpoint {path}: {MANIFEST} was edited or is corrupt (its sha256 differs "
+                f"from the one in {MARKER})"
+            )
+        if not signed and marker != LEGACY_MARKER:
+            raise CheckpointError(
+                f"checkpoint {path}: {MARKER} holds no sha256 of {MANIFEST}, so the manifest "
+                "cannot be checked"
+            )
+        if not signed and path.resolve() not in _legacy_warned:
+            _legacy_warned.add(path.resolve())
+            log.warning(
+                "checkpoint %s was saved by an older dtrain: %s has no checksum of %s, which is "
+                "trusted unchecked (`sha256sum %s > %s` in that folder records it)",
+                path,
+                MARKER,
+                MANIFEST,
+                MANIFEST,
+                MARKER,
+            )
+        try:
+            manifest = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e})") from None
+        step = manifest.get("step") if isinstance(manifest, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} has no valid step ({step!r})")
+        named = _STEP_RE.match(path.name)
+        if named and int(named.group(1)) != step:
+            raise CheckpointError(
+                f"checkpoint {path}: {MANIFEST} says step {step} but the folder is {path.name}"
+            )
+        return manifest
 
     def _check(self, path: Path, manifest: dict) -> None:
         rank, world = self.rank, self.world_size
@@ -418,17 +501,22 @@ class CheckpointManager:
         return manifest
 
     def find_resumable(self, accept=None) -> tuple[Path, dict] | None:
-        """resume=auto: the newest complete checkpoint that passes verification.
+        """resume=auto: the newest checkpoint folder that passes every check.
 
-        A corrupt one is skipped with a warning naming the bad file, and the previous one is
-        tried. `accept(path, manifest)` may raise CheckpointError to stop the search (e.g. a
-        checkpoint of another model: falling back would silently resume the wrong run).
-        None if there is no complete checkpoint; CheckpointError if none is intact.
+        One that fails (no marker, a missing, edited or corrupt manifest, a corrupt file) is
+        skipped with a warning naming it and why, and the previous one is tried; the skipped
+        ones are listed in self.rejected (see set_aside). `accept(path, manifest)` may raise
+        CheckpointError to stop the search (e.g. a checkpoint of another model: falling back
+        would silently resume the wrong run). None if there is no checkpoint folder;
+        CheckpointError if none is intact.
         """
-        found = list_complete(self.root)
+        found = list_step_dirs(self.root)
         problems = []
+        self.rejected = []
         for i, (_, path) in enumerate(reversed(found)):
             try:
+                if not (path / MARKER).is_file():  # read_manifest's advice is for resume=PATH
+                    raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
                 manifest = self.read_manifest(path)
                 if accept is not None:
                     accept(path, manifest)
@@ -437,6 +525,7 @@ class CheckpointManager:
                 raise
             except CheckpointError as e:
                 problems.append(str(e))
+                self.rejected.append(path)
                 if self.rank == 0:
                     nxt = found[-2 - i][1].name if i + 1 < len(found) else None
                     log.warning(
@@ -452,3 +541,43 @@ class CheckpointManager:
             + " | ".join(problems)
             + "; move the bad ones away, or start a new run dir"
         )
+
+    def set_aside(self, paths: list[Path]) -> None:
+        """Rename checkpoints that resume=auto skipped to `<name>.rejected`: kept as evidence,
+        out of reach of discovery, pruning and the save of the same step."""
+        for path in paths:
+            target, n = path.with_name(path.name + ".rejected"), 1
+            while target.exists():
+                n += 1
+                target = path.with_name(f"{path.name}.rejected{n}")
+            try:
+                os.replace(path, target)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint {path} was skipped but could not be set aside ({e}); this run "
+                    "would overwrite it: move it out of the checkpoints folder"
+                ) from None
+            log.warning(
+                "kept the skipped checkpoint %s as %s: it is never loaded, overwritten or "
+                "pruned; delete it once it is no longer needed",
+                path.name,
+                target.name,
+            )
+
+    def remove_newer(self, step: int) -> None:
+        """checkpoint.overwrite_newer=true: delete the checkpoints past the resume point, so
+        that this run's checkpoints never mix with the abandoned ones (rank 0)."""
+        for path in newer_checkpoints(self.root, step):
+            doomed = path.with_name(path.name + ".deleting")  # never half-deleted yet complete
+            try:
+                os.replace(path, doomed)
+                shutil.rmtree(doomed)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint {path} (newer than the resume point) could not be deleted "
+                    f"({e}); move it out of the checkpoints folder"
+                ) from None
+            log.warning(
+                "deleted checkpoint %s, newer than the resume point (checkpoint.overwrite_newer)",
+                path,
+            )

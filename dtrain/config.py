@@ -8,6 +8,7 @@ value and the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -111,6 +112,9 @@ class CheckpointConfig:
     # (the previous complete checkpoint stays the resume point).
     on_error: str = "stop"  # stop | continue
     verify: bool = True  # check every file's sha256 against the manifest before loading
+    # resume=PATH into a run dir holding later checkpoints: false refuses to start (they
+    # would be overwritten or pruned); true deletes them once the resume point is loaded.
+    overwrite_newer: bool = False
 
 
 @dataclass
@@ -320,39 +324,110 @@ def from_dictconfig(dcfg: Any) -> TrainConfig:
 RESUME_CHOICES = ("auto", "never")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
+# The valid range of every number in the schema, in one place. validate() checks each value
+# set (None means "unset" and passes) and refuses any non-finite float: NaN fails every
+# comparison, and inf passes "> 0", so a range alone would not stop either.
+RANGES: dict[str, str] = {
+    "model.n_layer": "> 0",
+    "model.n_head": "> 0",
+    "model.n_kv_head": "> 0",
+    "model.d_model": "> 0",
+    "model.ffn_hidden": "> 0",
+    "model.vocab_size": "> 0",
+    "model.max_seq_len": "> 0",
+    "model.rope_theta": "> 0",
+    "model.norm_eps": "> 0",
+    "model.init_std": "> 0",
+    "data.eval_fraction": "(0, 1)",
+    "data.max_bytes": "> 0",
+    "strategy.bucket_cap_mb": "> 0",
+    "strategy.replicate_degree": "> 0",
+    "optim.lr": "> 0",
+    "optim.min_lr_ratio": "[0, 1]",
+    "optim.warmup_steps": ">= 0",
+    "optim.weight_decay": ">= 0",
+    "optim.beta1": "[0, 1)",
+    "optim.beta2": "[0, 1)",
+    "optim.eps": "> 0",
+    "checkpoint.every_n_steps": ">= 0",
+    "checkpoint.keep_last": ">= 0",
+    "trainer.max_steps": "> 0",
+    "trainer.stop_at_step": "> 0",
+    "trainer.micro_batch_size": "> 0",
+    "trainer.grad_accum_steps": "> 0",
+    "trainer.global_batch_size": "> 0",
+    "trainer.seq_len": "> 0",
+    "trainer.eval_every": ">= 0",
+    "trainer.eval_steps": ">= 0",
+    "trainer.log_every": "> 0",
+    "trainer.grad_clip": ">= 0",
+    "trainer.collective_timeout_s": "> 0",
+    "metrics.peak_tflops": "> 0",
+    "inspect.max_new_tokens": ">= 0",
+    "inspect.temperature": ">= 0",
+    "inspect.top_k": ">= 0",
+    "inspect.top_p": "(0, 1]",
+    "inspect.attention_max_tokens": "> 0",
+    "inspect.attention_scale": "> 0",
+    "profile.wait": ">= 0",
+    "profile.warmup": ">= 0",
+    "profile.active": "> 0",
+    "profile.repeat": ">= 0",
+    "profile.row_limit": "> 0",
+    "debug.inject_nonfinite_at_step": "> 0",
+    "debug.inject_nonfinite_rank": ">= 0",
+}
 
-def _positive(value: int | float | None, key: str, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        need = ">= 0" if allow_zero else "> 0"
+
+def in_range(value: int | float, spec: str) -> bool:
+    """`spec` is "> a", ">= a", or an interval such as "[0, 1)"; NaN is in no range."""
+    if spec.startswith(">="):
+        return value >= float(spec[2:])
+    if spec.startswith(">"):
+        return value > float(spec[1:])
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    above = value >= lo if spec[0] == "[" else value > lo
+    below = value <= hi if spec[-1] == "]" else value < hi
+    return above and below
+
+
+def _leaves(node: Any, prefix: str = ""):
+    """(dotted key, value) of every scalar field of a config dataclass, in schema order."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Every number of `cfg` finite and within RANGES: one line naming key, value and range."""
+    for key, value in _leaves(cfg, prefix):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        spec = RANGES.get(key)
+        finite = math.isfinite(value)
+        if finite and (spec is None or in_range(value, spec)):
+            continue
+        need = "" if spec is None else spec if spec.startswith(">") else f"in {spec}"
+        if not finite:
+            need = f"a finite number {need}".rstrip()
         raise ConfigError(f"{key} must be {need}, got {value}")
 
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no other module. Strategy/precision/data names are checked by their
     registries when built (they know their own choices)."""
-    t, m, o = cfg.trainer, cfg.model, cfg.optim
-    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_every"):
-        _positive(getattr(t, key), f"trainer.{key}")
-    _positive(t.global_batch_size, "trainer.global_batch_size")
-    for key in ("eval_every", "eval_steps"):
-        _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
-    _positive(t.grad_clip, "trainer.grad_clip", allow_zero=True)
-    if t.stop_at_step is not None:
-        _positive(t.stop_at_step, "trainer.stop_at_step")
-        if t.stop_at_step > t.max_steps:
-            raise ConfigError(
-                f"trainer.stop_at_step={t.stop_at_step} is past trainer.max_steps={t.max_steps}"
-            )
+    t, m = cfg.trainer, cfg.model
+    check_ranges(cfg)
+    if t.stop_at_step is not None and t.stop_at_step > t.max_steps:
+        raise ConfigError(
+            f"trainer.stop_at_step={t.stop_at_step} is past trainer.max_steps={t.max_steps}"
+        )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"trainer.device={t.device!r} is not valid; choose auto, cpu or cuda")
     check_kernel(t.attention_kernel)
-    for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
-        _positive(getattr(m, key), f"model.{key}")
-    _positive(m.n_kv_head, "model.n_kv_head")
-    _positive(m.ffn_hidden, "model.ffn_hidden")
-    _positive(m.vocab_size, "model.vocab_size")
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by n_head={m.n_head}")
     if m.head_dim % 2 and m.rope:
@@ -361,19 +436,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_head={m.n_head} must be divisible by n_kv_head={m.n_kv_head}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    _positive(o.lr, "optim.lr")
-    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
-    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-    for key in ("beta1", "beta2"):
-        if not 0.0 <= getattr(o, key) < 1.0:
-            raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
     validate_inspect(cfg.inspect, cfg.profile, m)
-    _positive(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", allow_zero=True)
-    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last", allow_zero=True)
-    if not 0.0 < cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
     _validate_strategy(cfg.strategy)
     validate_reliability(cfg)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
@@ -384,22 +447,12 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None:
-    _positive(i.max_new_tokens, "inspect.max_new_tokens", allow_zero=True)
-    _positive(i.temperature, "inspect.temperature", allow_zero=True)
-    _positive(i.top_k, "inspect.top_k", allow_zero=True)
-    if i.top_p is not None and not 0.0 < i.top_p <= 1.0:
-        raise ConfigError(f"inspect.top_p must be in (0, 1], got {i.top_p}")
-    for key in ("attention_max_tokens", "attention_scale"):
-        _positive(getattr(i, key), f"inspect.{key}")
+    """What the number ranges (RANGES) cannot say about inspect and profile."""
     for layer in i.attention_layers or []:
         if not 0 <= layer < m.n_layer:
             raise ConfigError(
                 f"inspect.attention_layers has {layer}; the model has layers 0..{m.n_layer - 1}"
             )
-    for key in ("wait", "warmup", "repeat"):
-        _positive(getattr(p, key), f"profile.{key}", allow_zero=True)
-    _positive(p.active, "profile.active")
-    _positive(p.row_limit, "profile.row_limit")
     if m.init_from is not None:
         from dtrain.hf import parse_init_from
 
@@ -416,8 +469,6 @@ def _validate_strategy(s: StrategyConfig) -> None:
             f"strategy.activation_checkpointing={s.activation_checkpointing!r} is not valid; "
             f"choose {', '.join(ACTIVATION_CHECKPOINTING)}"
         )
-    _positive(s.replicate_degree, "strategy.replicate_degree")
-    _positive(s.bucket_cap_mb, "strategy.bucket_cap_mb")
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
     if s.compile_scope is not None and s.compile_scope not in COMPILE_SCOPES:
@@ -453,12 +504,6 @@ def validate_reliability(cfg: TrainConfig) -> None:
                 f"trainer.stop_signals: {name!r} is not a signal this process can catch; "
                 f"valid names: {', '.join(valid)}"
             )
-    if not t.collective_timeout_s > 0:
-        raise ConfigError(f"trainer.collective_timeout_s must be > 0, got {t.collective_timeout_s}")
-    _positive(cfg.data.max_bytes, "data.max_bytes")
-    d = cfg.debug
-    _positive(d.inject_nonfinite_at_step, "debug.inject_nonfinite_at_step")
-    _positive(d.inject_nonfinite_rank, "debug.inject_nonfinite_rank", allow_zero=True)
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -564,11 +609,12 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         return None
     cfg = compose(list(argv))
     check_run_dir(cfg.run_dir)
-    if cfg.resume not in RESUME_CHOICES:
-        from dtrain.checkpoint import CheckpointManager
-
-        CheckpointManager.read_manifest(Path(cfg.resume))  # complete and readable?
     ckpts = Path(cfg.run_dir) / "checkpoints"
+    if cfg.resume not in RESUME_CHOICES:
+        from dtrain.checkpoint import CheckpointManager, check_newer
+
+        manifest = CheckpointManager.read_manifest(Path(cfg.resume))  # complete and intact?
+        check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     if cfg.resume == "never" and ckpts.is_dir() and any(ckpts.glob("step_*")):
         raise ConfigError(
             f"run dir {cfg.run_dir} already holds checkpoints; resume=never would overwrite "

@@ -13,6 +13,9 @@ optimizer (the default on CPU, where a sync is free) reads the flag with `.item(
 trainer.on_nonfinite=stop needs the flag on the host: on CUDA it is copied into pinned memory
 behind an event and read one step later (the same pattern as the stop-signal vote), so the
 loop notices at the end of step s+1 and saves; step s was skipped, so the saved state is good.
+A NaN can still reach the weights by a path the norm does not see (an update that is itself
+non-finite); so before that save every tensor is checked (nonfinite_tensors), and a poisoned
+state is never saved.
 
 fp16: the strategy's LossScaler (dtrain/lowp/scaling.py) steps instead of this guard. Inf/NaN
 gradients are then overflows: GradScaler skips the step, halves the scale and counts it as
@@ -30,12 +33,12 @@ log = logging.getLogger("dtrain")
 
 
 class NonfiniteGuard:
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, start_step: int = 0):
         self.mode, self.device = mode, device
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # on device: no sync
         self._pending: tuple[torch.Tensor, object, int] | None = None
         self._prev: tuple[torch.Tensor, object, int] | None = None
-        self._step = 0
+        self._step = start_step  # after a resume, steps are named as the run counts them
         self.stop_step: int | None = None
 
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
@@ -92,3 +95,31 @@ def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(optimizer.param_groups) and all(
         g.get("fused", False) for g in optimizer.param_groups
     )
+
+
+def nonfinite_tensors(state: dict, limit: int = 3) -> tuple[int, list[str]]:
+    """Floating-point tensors of a (nested) state dict that hold a NaN or inf on this rank:
+    their count and the first `limit` names. One host sync per device, not per tensor."""
+    named: list[tuple[str, torch.Tensor]] = []
+
+    def walk(prefix: str, obj) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj  # DTensor: our shard
+            if local.is_floating_point() and local.numel():
+                named.append((prefix, torch.isfinite(local).all()))
+
+    walk("", state)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, flag) in enumerate(named):
+        by_device.setdefault(flag.device, []).append(i)
+    bad = []
+    for idx in by_device.values():
+        flags = torch.stack([named[i][1] for i in idx]).cpu().tolist()
+        bad += [i for i, ok in zip(idx, flags) if not ok]
+    return len(bad), [named[i][0] for i in sorted(bad)[:limit]]

@@ -21,6 +21,7 @@ from dtrain.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     CheckpointSaveError,
+    check_newer,
     latest_complete,
 )
 from dtrain.config import TrainConfig, resolve_grad_accum
@@ -45,7 +46,7 @@ from dtrain.metrics import (
     peak_flops,
 )
 from dtrain.model import count_params, flops_per_token
-from dtrain.nonfinite import NonfiniteGuard
+from dtrain.nonfinite import NonfiniteGuard, nonfinite_tensors
 from dtrain.optim import lr_at
 from dtrain.precision import build_precision
 from dtrain.preemption import OrphanWatch, StopSignal
@@ -82,7 +83,9 @@ def run_identity(cfg: TrainConfig) -> dict:
 
 
 def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
-    """Which checkpoint to start from; refuses to overwrite another run's checkpoints."""
+    """Which checkpoint to start from; refuses to overwrite another run's checkpoints, or
+    this run's newer ones (unless checkpoint.overwrite_newer). resume=auto sets aside the
+    newer ones it skipped as bad, so that no save or pruning touches them."""
     latest = latest_complete(ckpt.root)
     if cfg.resume == "never":
         if latest is not None:
@@ -108,9 +111,13 @@ def resolve_resume(cfg: TrainConfig, ckpt: CheckpointManager) -> Path | None:
 
     if cfg.resume == "auto":  # newest intact one; corrupt ones are skipped, with a warning
         found = ckpt.find_resumable(accept=same_run)
+        if found:
+            ckpt.set_aside(ckpt.rejected)
         return found[0] if found else None
     path = Path(cfg.resume)
-    same_run(path, CheckpointManager.read_manifest(path))
+    manifest = CheckpointManager.read_manifest(path)
+    same_run(path, manifest)
+    check_newer(ckpt.root, path, manifest["step"], cfg.checkpoint.overwrite_newer)
     return path
 
 
@@ -314,6 +321,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         stream.load_state_dict(manifest["data"])
         step = int(manifest["step"])
         log.info("resumed from %s (step %d)", resume_path, step)
+        if cfg.checkpoint.overwrite_newer and env.is_main:  # resolve_resume refused otherwise
+            ckpt.remove_newer(step)
     elif cfg.model.init_from:
         from dtrain.hf import load_hf_into, parse_init_from
 
@@ -351,7 +360,22 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
 
     save_failures: list[int] = []
 
-    def save(at_step: int, final: bool = False) -> None:
+    def save(at_step: int, final: bool = False, cause: str | None = None) -> Path | None:
+        state = strategy.state_dict()
+        # A checkpoint never holds a NaN: saved, it would become the resume point, and
+        # keep_last would then prune the good ones. `cause` opens the message if it does.
+        counts = ddist.all_gather_object(nonfinite_tensors(state))
+        poisoned = next(((r, c) for r, c in enumerate(counts) if c[0]), None)
+        if poisoned is not None:
+            rank, (n, names) = poisoned
+            prev = latest_complete(ckpt.root) or resume_path
+            raise FaultError(
+                (f"{cause}, but " if cause else "")
+                + f"the weights or optimizer state at step {at_step} hold non-finite values "
+                f"({n} tensors on rank {rank}, e.g. {', '.join(names)}), so they were not "
+                f"saved; the last good state is {prev or 'none (nothing was saved before)'}; "
+                "stopping"
+            )
         manifest = {
             "identity": run_identity(cfg),
             "data": stream.state_dict(),
@@ -360,7 +384,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             "config": asdict(cfg),
         }
         try:
-            path = ckpt.save(at_step, strategy.state_dict(), manifest)
+            path = ckpt.save(at_step, state, manifest)
         except CheckpointSaveError as e:
             # A final save (end of run, signal, stop) has no later chance: always an error.
             if cfg.checkpoint.on_error == "stop" or final:
@@ -368,8 +392,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             save_failures.append(at_step)
             writer.scalars(at_step, {"checkpoint/save_failures": len(save_failures)})
             log.warning("%s; training continues (checkpoint.on_error=continue)", e)
-            return
+            return None
         log.info("saved checkpoint %s", path)
+        return path
 
     def do_eval(at_step: int) -> float:
         loss = evaluate(strategy, data, cfg, env)
@@ -381,7 +406,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         inspector.on_eval(at_step, skip_reason="profiling" if profiler.recording else None)
         return loss
 
-    guard = NonfiniteGuard(t.on_nonfinite, env.device)
+    guard = NonfiniteGuard(t.on_nonfinite, env.device, start_step=step)
     strategy.nonfinite = guard
     inject = None
     if cfg.debug.inject_nonfinite_at_step is not None:
@@ -493,13 +518,17 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             throughput.restart()
         bad_step = guard.poll() if t.on_nonfinite == "stop" else None
         if bad_step is not None:
-            # The bad update was skipped, so the weights now are the last good state.
-            save(step, final=True)
+            # The bad update was skipped, so the weights now are the last good state, unless
+            # a NaN came in where the norm does not look: save() checks and refuses that.
             progress.close()
-            writer.close()
+            cause = f"non-finite loss or gradient norm at step {bad_step}: the update was skipped"
+            try:
+                path = save(step, final=True, cause=cause)
+            finally:
+                writer.close()
             raise FaultError(
                 f"non-finite loss or gradient norm at step {bad_step}: the update was skipped "
-                f"and the last good state saved at step {step} in {ckpt.root}; stopping "
+                f"and the last good state saved at step {step} as {path}; stopping "
                 "(trainer.on_nonfinite=stop; skip carries on past such steps)"
             )
         if stop.poll():

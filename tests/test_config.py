@@ -42,3 +42,81 @@ def test_unknown_key_names_the_valid_ones():
 def test_validation_messages(data, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(data)
+
+
+# (override, message): every kind of bad number, through Hydra's own parsing of nan and inf.
+BAD_NUMBERS = [
+    ("optim.lr=nan", "optim.lr must be a finite number > 0, got nan"),
+    ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
+    ("optim.lr=1e400", "optim.lr must be a finite number > 0, got inf"),
+    ("optim.lr=-1", "optim.lr must be > 0, got -1.0"),
+    ("optim.weight_decay=nan", "optim.weight_decay must be a finite number >= 0, got nan"),
+    ("optim.weight_decay=inf", "optim.weight_decay must be a finite number >= 0, got inf"),
+    ("optim.weight_decay=-1", "optim.weight_decay must be >= 0, got -1.0"),
+    ("optim.beta1=1.0", "optim.beta1 must be in [0, 1), got 1.0"),
+    ("optim.beta2=nan", "optim.beta2 must be a finite number in [0, 1), got nan"),
+    ("optim.eps=0", "optim.eps must be > 0, got 0.0"),
+    ("optim.eps=-inf", "optim.eps must be a finite number > 0, got -inf"),
+    ("optim.min_lr_ratio=nan", "optim.min_lr_ratio must be a finite number in [0, 1], got nan"),
+    ("optim.min_lr_ratio=-0.5", "optim.min_lr_ratio must be in [0, 1], got -0.5"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
+    ("trainer.grad_clip=nan", "trainer.grad_clip must be a finite number >= 0, got nan"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip must be >= 0, got -1.0"),
+    ("trainer.collective_timeout_s=inf", "trainer.collective_timeout_s must be a finite number"),
+    ("trainer.collective_timeout_s=-1", "trainer.collective_timeout_s must be > 0, got -1.0"),
+    ("inspect.temperature=nan", "inspect.temperature must be a finite number >= 0, got nan"),
+    ("inspect.temperature=-1", "inspect.temperature must be >= 0, got -1.0"),
+    ("inspect.top_p=1.5", "inspect.top_p must be in (0, 1], got 1.5"),
+    ("inspect.top_p=0", "inspect.top_p must be in (0, 1], got 0.0"),
+    ("inspect.top_p=nan", "inspect.top_p must be a finite number in (0, 1], got nan"),
+    ("metrics.peak_tflops=inf", "metrics.peak_tflops must be a finite number > 0, got inf"),
+    ("metrics.peak_tflops=-1", "metrics.peak_tflops must be > 0, got -1.0"),
+    ("data.eval_fraction=nan", "data.eval_fraction must be a finite number in (0, 1), got nan"),
+    ("model.norm_eps=nan", "model.norm_eps must be a finite number > 0, got nan"),
+    ("model.init_std=-0.02", "model.init_std must be > 0, got -0.02"),
+    ("model.rope_theta=inf", "model.rope_theta must be a finite number > 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_NUMBERS, ids=[o for o, _ in BAD_NUMBERS])
+def test_non_finite_and_out_of_range_numbers_are_refused(override, message):
+    with pytest.raises(ConfigError) as e:
+        compose(override)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("override", ["optim.beta1=0", "inspect.top_p=1", "optim.lr=1e-12"])
+def test_range_edges_that_are_valid_pass(override):
+    compose(override)
+
+
+def test_every_number_in_the_schema_has_a_range():
+    """A new numeric key must say its range in config.RANGES (or it gets finiteness only)."""
+    import dataclasses
+    import typing
+
+    from dtrain.config import RANGES
+
+    def numeric(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from numeric(tp, f"{prefix}{f.name}.")
+            elif {int, float} & set(typing.get_args(tp) or (tp,)):
+                yield f"{prefix}{f.name}"
+
+    # Integers whose checks need more than a range (the data builder or another key).
+    elsewhere = {
+        "data.vocab_size",
+        "data.num_streams",
+        "data.num_workers",
+        "data.prefetch_factor",
+        "data.shuffle_window",
+        "data.bpe_train_bytes",
+        "strategy.stage",
+        "inspect.seed",
+        "seed",
+    }
+    missing = set(numeric(TrainConfig)) - set(RANGES) - elsewhere
+    assert not missing, f"add a range to config.RANGES for: {sorted(missing)}"
+    assert set(RANGES) <= set(numeric(TrainConfig)), set(RANGES) - set(numeric(TrainConfig))

@@ -27,6 +27,17 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
     return out
 
 
+def write_manifest(ckpt: Path, manifest: dict) -> None:
+    """Rewrite a checkpoint's manifest.json and sign it in COMPLETE, as dtrain does: what an
+    attacker (or a careful hand editor) can always do, so the loader must not rely on it."""
+    import json
+
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    (Path(ckpt) / "manifest.json").write_text(text)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    (Path(ckpt) / "COMPLETE").write_text(f"{sha}  manifest.json\n")
+
+
 def start(*args: str, nproc: int = 1, env_extra: dict | None = None) -> subprocess.Popen:
     """Start launch/train.py (or torchrun with nproc ranks) without waiting for it."""
     cmd = launch_cmd([*FAST, *args], nproc)

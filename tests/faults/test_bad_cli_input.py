@@ -247,5 +247,5 @@ def test_plan_and_a_real_3_rank_run_refuse_in_the_same_words(tmp_path):
     with pytest.raises(UserError) as planned:
         build_plan(["world_size=3", *FAST, "strategy=ddp"])
     res = launch(*FAST, "strategy=ddp", f"hydra.run.dir={tmp_path}/run", nproc=3)
-    assert res.returncode != 0
+    assert res.returncode == 2, res.stderr[-3000:]
     assert f"error: {planned.value}" in res.stderr.splitlines(), res.stderr[-3000:]

@@ -7,6 +7,7 @@ because a subprocess costs seconds of start-up; a representative subset also run
 subprocess to pin the exit code, the single stderr line and the untouched files.
 """
 
+import json
 import os
 import shutil
 
@@ -54,6 +55,10 @@ CATALOGUE = [
     (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0, got -1"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio must be in [0, 1], got 2.0"),
     (["optim.beta1=-0.1"], "optim.beta1 must be in [0, 1), got -0.1"),
+    # non-finite numbers (once a NaN run saved a "last good state" of NaN tensors)
+    (["optim.lr=nan"], "optim.lr must be a finite number > 0, got nan"),
+    (["optim.lr=inf"], "optim.lr must be a finite number > 0, got inf"),
+    (["optim.weight_decay=nan"], "optim.weight_decay must be a finite number >= 0, got nan"),
     (["data.eval_fraction=1.5"], "data.eval_fraction must be in (0, 1), got 1.5"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last must be >= 0, got -1"),
     (["checkpoint.every_n_steps=-5"], "checkpoint.every_n_steps must be >= 0, got -5"),
@@ -89,7 +94,14 @@ CATALOGUE = [
     (["resume={tmp}/a_file"], "is a file; a checkpoint is a checkpoints/step_NNNNNNN folder"),
     (["resume={partial}"], "is incomplete (no COMPLETE marker)"),
     (["resume={corrupt}"], "__0_0.distcp is corrupt (sha256 differs from manifest.json)"),
-    (["resume={badmanifest}"], "unreadable manifest.json"),
+    (["resume={badmanifest}"], "manifest.json was edited or is corrupt (its sha256 differs"),
+    (["resume={steplie}"], "manifest.json was edited or is corrupt (its sha256 differs"),
+    (["resume={nomanifest}"], "manifest.json is missing (its COMPLETE marker is there"),
+    (["resume={renamed}"], "manifest.json says step 2 but the folder is step_0000003"),
+    (
+        ["resume={newer}/checkpoints/step_0000002", "hydra.run.dir={newer}"],
+        "holds newer checkpoints (step_0000004) that this run would overwrite or prune",
+    ),
     (["resume={ckpt}", "model.n_layer=3"], "was saved with model.n_layer=4 but this run has"),
     (["resume={ckpt}", "trainer.seq_len=32"], "was saved with trainer.seq_len=64"),
     (
@@ -118,12 +130,25 @@ def world(tmp_path_factory):
     badmanifest = tmp / "badmanifest" / "step_0000002"
     shutil.copytree(ckpt, badmanifest)
     (badmanifest / "manifest.json").write_text('{"step": 2,')
+    steplie = tmp / "steplie" / "step_0000002"  # the user's edit: step 2 -> 1, re-serialised
+    shutil.copytree(ckpt, steplie)
+    manifest = json.loads((steplie / "manifest.json").read_text())
+    (steplie / "manifest.json").write_text(json.dumps({**manifest, "step": 1}, indent=1))
+    nomanifest = tmp / "nomanifest" / "step_0000002"
+    shutil.copytree(ckpt, nomanifest)
+    (nomanifest / "manifest.json").unlink()
+    renamed = tmp / "renamed" / "step_0000003"
+    shutil.copytree(ckpt, renamed)
+    newer = tmp / "newer" / "checkpoints"  # a run dir with a checkpoint past the resume point
+    shutil.copytree(ckpt, newer / "step_0000002")
+    shutil.copytree(ckpt, newer / "step_0000004")
     partial = tmp / "partial" / "step_0000002.partial"
     shutil.copytree(ckpt, partial)
     (partial / "COMPLETE").unlink()
     (tmp / "a_file").write_text("not a folder\n")
     names = {"tmp": tmp, "saved": saved, "ckpt": ckpt, "corrupt": corrupt}
-    names.update(badmanifest=badmanifest, partial=partial)
+    names.update(badmanifest=badmanifest, partial=partial, steplie=steplie)
+    names.update(nomanifest=nomanifest, renamed=renamed, newer=newer.parent)
     return names
 
 
@@ -207,9 +232,12 @@ def test_read_only_run_dir(world, tmp_path):
 SUBPROCESS = [
     ["optim=sgd"],
     ["trainer.seq_len=1.5"],
+    ["optim.lr=nan"],
     ["trainer.on_nonfinite=ignore"],
     ["data=local", "data.files=/no/such/*.txt"],
     ["resume={corrupt}"],
+    ["resume={steplie}"],
+    ["resume={newer}/checkpoints/step_0000002", "hydra.run.dir={newer}"],
     ["resume={ckpt}", "model.n_layer=3"],
     ["hydra.run.dir={tmp}/a_file/run"],
 ]

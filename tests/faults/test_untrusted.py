@@ -28,7 +28,7 @@ import pytest
 from dtrain.config import DataConfig
 from dtrain.errors import CheckpointError, UserError
 from tests.conftest import FAST, ROOT, cli_env, launch, train
-from tests.faults.helpers import kill_tree, one_error_line, start, wait_for_step
+from tests.faults.helpers import kill_tree, one_error_line, start, wait_for_step, write_manifest
 
 
 class Exploit:
@@ -57,7 +57,7 @@ def _resign(dst: Path) -> None:
     )
     manifest["files"] = {n: hashlib.sha256((dst / n).read_bytes()).hexdigest() for n in names}
     manifest["sizes"] = {n: (dst / n).stat().st_size for n in names}
-    (dst / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(dst, manifest)  # COMPLETE re-signed too
 
 
 def _plant(ckpt: Path, dst: Path, name: str, payload: bytes) -> Path:
@@ -146,7 +146,7 @@ def test_resume_auto_skips_a_checkpoint_with_malicious_metadata(ckpt, tmp_path, 
     _plant(ckpt, run / "checkpoints" / "step_0000003", ".metadata", pickle.dumps(Exploit(proof)))
     manifest = json.loads((run / "checkpoints" / "step_0000003" / "manifest.json").read_text())
     manifest["step"] = 3
-    (run / "checkpoints" / "step_0000003" / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(run / "checkpoints" / "step_0000003", manifest)
     capfd.readouterr()
     train(run, "trainer.max_steps=4", "trainer.eval_every=0")
     err = capfd.readouterr().err
@@ -160,7 +160,7 @@ def test_resume_auto_skips_a_checkpoint_with_a_planted_pickle(ckpt, tmp_path, ca
     shutil.copytree(ckpt, run / "checkpoints" / "step_0000002")
     bad = _plant_state(ckpt, run / "checkpoints" / "step_0000003", LR, Exploit(proof))
     manifest = json.loads((bad / "manifest.json").read_text())
-    (bad / "manifest.json").write_text(json.dumps({**manifest, "step": 3}))
+    write_manifest(bad, {**manifest, "step": 3})
     capfd.readouterr()
     train(run, "trainer.max_steps=4", "trainer.eval_every=0")
     err = capfd.readouterr().err
@@ -250,10 +250,8 @@ def test_zero2_resume_refuses_a_pickle_planted_in_its_checkpoint(ckpt, tmp_path)
     res = launch(*args, "trainer.max_steps=4", f"resume={bad}", f"hydra.run.dir={run}2", nproc=2)
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and re.search(_refused(LR), errors[0]), res.stderr[-3000:]
-    # torchrun's report: a rank exits 2; one still in its check may be stopped by torchrun
-    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr))
-    assert "2" in codes and codes <= {"2", "-15"}, res.stderr[-3000:]
-    assert f'File "{ROOT / "dtrain"}' not in res.stderr  # torchrun's own trace only
+    # dtrain-torchrun passes the ranks' exit 2 through, with their one line and no report
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert not proof.exists()
 
 
@@ -413,8 +411,10 @@ def test_manifest_json_cannot_carry_code(ckpt, tmp_path):
     for i, (where, value) in enumerate(hostile.items()):
         bad = tmp_path / f"c{i}" / "step_0000002"
         shutil.copytree(ckpt, bad)
-        if value is None:
+        if value is None:  # signed in COMPLETE as dtrain signs it: only the content is wrong
             (bad / "manifest.json").write_bytes(payload)
+            sha = hashlib.sha256(payload).hexdigest()
+            (bad / "COMPLETE").write_text(f"{sha}  manifest.json\n")
         else:
             manifest = json.loads((bad / "manifest.json").read_text())
             *parents, last = where.split(".")
@@ -422,7 +422,7 @@ def test_manifest_json_cannot_carry_code(ckpt, tmp_path):
             for key in parents:
                 node = node[key]
             node[last] = value
-            (bad / "manifest.json").write_text(json.dumps(manifest))
+            write_manifest(bad, manifest)
         argv = [*FAST, "trainer.max_steps=3", "trainer.eval_every=0", f"resume={bad}"]
         try:
             run(check_overrides([*argv, f"hydra.run.dir={tmp_path}/r{i}"]))
