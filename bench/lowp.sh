@@ -3,7 +3,14 @@
 # training command and synthetic tokens, every ratio against the bf16 run of the same call.
 #   OUT=/tmp/out bash bench/lowp.sh fsdp8b     # model=8b, fsdp on 2 GPUs, seq 8192, micro-batch 1
 #   OUT=/tmp/out bash bench/lowp.sh single1b   # model=1b, 1 GPU, seq 2048, micro-batch 8
-#   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 3 steps traced each (top ops)
+#   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 2 steps traced each (top ops)
+#   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
+#   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
+#       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
+#       lanes with two SEEDs give two bf16 runs: the noise)
+# PRECS lists the precisions (default: bf16 fp8); EXTRA adds more to fsdp8b and single1b.
+# PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
+# $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
 # 8b under fsdp needs about 99 GiB per GPU in bf16: H200s (or H100s with activation checkpointing).
 set -uo pipefail
@@ -18,13 +25,17 @@ single1b() {
   dtrain_run "$name" 1 "$@"
 }
 case "${1:-}" in
-  fsdp8b) for p in bf16 fp8 ${EXTRA:-}; do fsdp8b fsdp8b_$p precision=$p; done ;;
-  single1b) for p in bf16 fp8 ${EXTRA:-}; do single1b single1b_$p precision=$p; done ;;
-  profile8b)
-    for p in bf16 fp8; do
-      fsdp8b prof8b_$p precision=$p profile.enabled=true profile.wait=8 profile.active=2 \
-        profile.row_limit=40
-      cp /tmp/runs/prof8b_$p/profile_table.txt "$OUT/prof8b_${p}_table.txt" 2>/dev/null || true
+  fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do fsdp8b fsdp8b_$p precision=$p; done ;;
+  single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do single1b single1b_$p precision=$p; done ;;
+  loss350m)
+    for p in ${PRECS:-bf16 fp8}; do
+      dtrain_run loss${MODEL}_${p}_s${SEED:-1337} 1 precision=$p seed=${SEED:-1337}
     done ;;
-  *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b" >&2; exit 2 ;;
+  profile8b|profile1b)
+    run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
+    for p in ${PRECS:-bf16 fp8}; do
+      $run prof${1#profile}_$p precision=$p profile.enabled=true profile.wait=8 \
+        profile.active=2 profile.row_limit=40
+    done ;;
+  *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|loss350m" >&2; exit 2 ;;
 esac
