@@ -26,7 +26,7 @@ from dtrain.checkpoint import (
 )
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, build_data, eval_batches
-from dtrain.errors import ConfigError, FaultError
+from dtrain.errors import CheckpointError, ConfigError, FaultError
 from dtrain.faults import NonfiniteInjector, point
 from dtrain.inspector import Inspector
 from dtrain.memory import (
@@ -318,7 +318,13 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         state = strategy.state_dict()
         manifest = ckpt.load(resume_path, state)
         strategy.load_state_dict(state)
-        stream.load_state_dict(manifest["data"])
+        try:
+            stream.load_state_dict(manifest["data"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSON of the wrong shape
+            raise CheckpointError(
+                f"checkpoint {resume_path}: manifest.json's data position is malformed "
+                f"({type(e).__name__}: {e}); it was not written by dtrain"
+            ) from None
         step = int(manifest["step"])
         log.info("resumed from %s (step %d)", resume_path, step)
         if cfg.checkpoint.overwrite_newer and env.is_main:  # resolve_resume refused otherwise
