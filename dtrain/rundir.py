@@ -124,7 +124,10 @@ def _wait_for_job(run_dir: Path, path: Path) -> None:
 def release(run_dir: str | Path) -> None:
     fd = _held.pop(Path(run_dir).absolute(), None)
     if fd is not None:
-        os.close(fd)  # drops the flock; the file stays, naming the last holder
+        # Emptied, then unlocked: a run that ended leaves the run dir as it found it; only a
+        # run that died leaves its name behind (the next run takes the stale lock anyway).
+        os.ftruncate(fd, 0)
+        os.close(fd)
 
 
 @contextlib.contextmanager

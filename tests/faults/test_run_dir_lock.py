@@ -66,6 +66,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
         rundir.release(run)
     assert rundir.acquire(run)  # released: taken again at once
     rundir.release(run)
+    assert (run / rundir.LOCK).read_text() == ""  # a run that ended names no holder
 
 
 def test_ranks_of_one_job_share_the_lock_and_other_jobs_are_refused(tmp_path, monkeypatch):
