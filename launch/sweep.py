@@ -69,7 +69,11 @@ def point_command(overrides: list[str], nproc: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from dtrain.errors import ConfigError, UserError, fail
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python launch/sweep.py",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--out", required=True, help="directory for the run dirs of the sweep")
     ap.add_argument("--nproc", default="1", help="processes per point, e.g. 1,2")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per point")

@@ -205,9 +205,11 @@ def render_text(p: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.cli._kv import exit_with_help_if_asked
     from dtrain.errors import UserError, fail
 
     argv = sys.argv[1:] if argv is None else argv
+    exit_with_help_if_asked(argv, "python -m dtrain.cli.plan", __doc__)
     try:
         plan = build_plan(argv)
     except UserError as e:
