@@ -11,8 +11,10 @@ OUT/<strategy>-<precision>-w<N>-<model>[-<other axes>], its log OUT/<name>.log. 
 does not stop the sweep; the exit code is 1 if any failed. At the end `dtrain.cli.compare`
 prints the table and writes OUT/compare.png.
 
-(Hydra's --multirun is no substitute: conf/train.yaml's run_dir follows hydra.run.dir, not
-the job's sweep dir, and a sweep over world sizes needs torchrun per point.)
+Hydra's -m (--multirun) works too for one world size: `python launch/train.py -m
+precision=fp32,bf16 ...` runs each job in multirun/<time>/<n>-<strategy>-<precision>-<model>.
+It cannot vary the number of processes (every job runs in the one launching process) and does
+not compare the runs at the end; this script does both.
 """
 
 from __future__ import annotations

@@ -92,3 +92,18 @@ def test_every_cli_answers_help_with_its_usage(cli, flag):
     first = res.stdout.splitlines()[0]
     assert first.startswith("usage: ") and cli in first, first
     assert res.stderr == ""
+
+
+def test_hydra_multirun_gives_each_job_its_own_run_dir(tmp_path):
+    # launch/sweep.py's help and docs/memory.md say Hydra's -m works for one world size.
+    res = launch(
+        "-m",
+        *FAST,
+        "trainer.max_steps=1",
+        "trainer.eval_every=0",
+        "precision=fp32,bf16",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    runs = sorted(p.parent.name for p in tmp_path.glob("*/metrics.jsonl"))
+    assert runs == ["0-single-fp32-tiny", "1-single-bf16-tiny"], runs
