@@ -35,7 +35,7 @@ class DataConfig:
     files: Any = None  # local: a path, glob or directory, or a list of them
     format: str | None = None  # local: text | json | parquet (null: from the extension)
     tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file/folder | a hub tokenizer name
-    vocab_size: int | None = None  # synthetic: its random tokens' vocab; bpe: the vocab to train
+    vocab_size: int | None = None  # synthetic: its random tokens' vocab; bpe: vocab (None: 8192)
     eval_fraction: float = 0.02  # share of documents held out for eval, never trained on
     max_bytes: int | None = None  # cap on the embedded corpus size (None: all of it)
     num_streams: int = 8  # streams the data is cut into; the world size must divide it

@@ -150,11 +150,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, rope, kv_cache=None, need_weights=False):
+    def forward(self, x, rope, kv_cache=None, need_weights=False, use_cache=False):
         a, cache, weights = self.attn(self.attn_norm(x), rope, kv_cache, need_weights)
         x = x + a
         x = x + self.ffn(self.ffn_norm(x))
-        return x, cache, weights
+        # The cache's k, v are views; returned from an FSDP block when nobody keeps them, FSDP2
+        # warns that an in-place op on a view would skip its hook. Training never keeps them.
+        return x, cache if use_cache else None, weights
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -241,7 +243,7 @@ class GPT(nn.Module):
         all_weights = []
         for i, layer in enumerate(self.layers.values()):
             cache = kv_caches[i] if kv_caches is not None else None
-            x, new_cache, weights = layer(x, rope, cache, need_weights)
+            x, new_cache, weights = layer(x, rope, cache, need_weights, kv_caches is not None)
             if kv_caches is not None:
                 kv_caches[i] = new_cache
             if need_weights:

@@ -66,6 +66,18 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
+def short_warmup_warning(cfg: OptimConfig, max_steps: int) -> str | None:
+    """The line to warn with when the run ends inside the warmup, else None."""
+    if max_steps >= cfg.warmup_steps:
+        return None
+    last = lr_at(max_steps - 1, cfg, max_steps)
+    return (
+        f"trainer.max_steps={max_steps} is below optim.warmup_steps={cfg.warmup_steps}: the LR "
+        f"never reaches its peak optim.lr={cfg.lr:g} (it rises linearly to {last:.3g} at the "
+        f"last step and never decays); lower optim.warmup_steps or raise trainer.max_steps"
+    )
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         # A tensor lr (fused/capturable optimizers) is updated in place, avoiding a recompile.

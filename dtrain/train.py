@@ -47,7 +47,7 @@ from dtrain.metrics import (
 )
 from dtrain.model import count_params, flops_per_token
 from dtrain.nonfinite import NonfiniteGuard, nonfinite_tensors
-from dtrain.optim import lr_at
+from dtrain.optim import lr_at, short_warmup_warning
 from dtrain.precision import build_precision
 from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.profiling import StepProfiler
@@ -363,6 +363,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         t.seq_len,
         run_dir,
     )
+    warmup_warning = short_warmup_warning(cfg.optim, t.max_steps)
+    if warmup_warning and env.is_main:  # a choice the user may mean (a smoke test): warn, run
+        log.warning(warmup_warning)
 
     save_failures: list[int] = []
 

@@ -11,8 +11,10 @@ OUT/<strategy>-<precision>-w<N>-<model>[-<other axes>], its log OUT/<name>.log. 
 does not stop the sweep; the exit code is 1 if any failed. At the end `dtrain.cli.compare`
 prints the table and writes OUT/compare.png.
 
-(Hydra's --multirun is no substitute: conf/train.yaml's run_dir follows hydra.run.dir, not
-the job's sweep dir, and a sweep over world sizes needs torchrun per point.)
+Hydra's -m (--multirun) works too for one world size: `python launch/train.py -m
+precision=fp32,bf16 ...` runs each job in multirun/<time>/<n>-<strategy>-<precision>-<model>.
+It cannot vary the number of processes (every job runs in the one launching process) and does
+not compare the runs at the end; this script does both.
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ def point_command(overrides: list[str], nproc: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from dtrain.errors import ConfigError, UserError, fail
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python launch/sweep.py",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--out", required=True, help="directory for the run dirs of the sweep")
     ap.add_argument("--nproc", default="1", help="processes per point, e.g. 1,2")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per point")

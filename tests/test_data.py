@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from dtrain.config import DataConfig
 from dtrain.data import BatchStream, build_data, eval_batches
 from dtrain.errors import ConfigError, DataError
-from tests.conftest import launch
+from tests.conftest import launch, read_jsonl
 
 N_TOKENS = 1500  # numbered tokens "0".."1499", each in exactly one document
 SEQ = 16
@@ -489,3 +490,23 @@ def test_close_stops_reading_ahead(corpus):
     # Reading starts again where the loop stands, not where the reader had got to.
     assert torch.equal(step_all([b])[0], expect[1][0])
     assert torch.equal(step_all([b])[0], expect[2][0])
+
+
+def test_bpe_with_no_vocab_set_trains_a_few_steps(tmp_path):
+    # What conf/data/local.yaml suggests: data.tokenizer=bpe alone, no data.vocab_size.
+    from tests.conftest import train
+
+    out = train(
+        tmp_path / "run",
+        "data.tokenizer=bpe",
+        "data.bpe_train_bytes=100000",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "checkpoint.save_final=false",
+    )
+    assert out["step"] == 3
+    assert len(list((tmp_path / "cache/tokenizers").glob("bpe-8192-*.json"))) == 1
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run/metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

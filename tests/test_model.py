@@ -78,3 +78,23 @@ def test_model_imports_without_torch_distributed():
 
     code = "import sys, dtrain.model; sys.exit(int('torch.distributed.fsdp' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("preset", group_choices("model"))
+def test_preset_comments_state_the_parameter_counts_count_params_gives(preset):
+    # "<N>M [parameters] with <tokenizer> ([vocab ]<V>)" in the header: N must be count_params
+    # at vocab V, to the digits written, so the README's sizes have a checked source.
+    import re
+    from dataclasses import replace
+
+    from tests.conftest import ROOT
+
+    lines = (ROOT / "conf/model" / f"{preset}.yaml").read_text().splitlines()
+    header = " ".join(x.lstrip("# ") for x in lines if x.startswith("#"))
+    claims = re.findall(r"([\d.]+)M (?:parameters )?with [^()]*\((?:vocab )?(\d+)\)", header)
+    assert len(claims) >= 2, header
+    cfg = compose(f"model={preset}").model
+    for written, vocab in claims:
+        n = count_params(replace(cfg, vocab_size=int(vocab)))
+        decimals = len(written.partition(".")[2])
+        assert f"{n / 1e6:.{decimals}f}" == written, (preset, vocab, n)

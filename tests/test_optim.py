@@ -24,3 +24,14 @@ def test_norm_gains_are_not_decayed():
     opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
     n = sum(len(g["params"]) for g in opt.param_groups)
     assert n == len(list(model.parameters()))
+
+
+def test_short_warmup_warning_names_both_values_only_when_the_peak_is_missed():
+    from dtrain.optim import short_warmup_warning
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=10)
+    line = short_warmup_warning(cfg, 4)
+    assert "trainer.max_steps=4 is below optim.warmup_steps=10" in line
+    assert "never reaches its peak optim.lr=1" in line and "0.4 at the last step" in line
+    assert short_warmup_warning(cfg, 10) is None  # the last step runs at the peak
+    assert short_warmup_warning(OptimConfig(warmup_steps=0), 1) is None

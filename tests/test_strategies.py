@@ -70,6 +70,7 @@ class Runs:
     def __init__(self, root: Path):
         self.root = root
         self.done: dict[str, Path] = {}
+        self.stderr: dict[str, str] = {}  # of the torchrun runs
 
     def get(self, name: str, *extra: str, like: str | None = None) -> Path:
         if name not in self.done:
@@ -79,7 +80,9 @@ class Runs:
             if nproc == 1:
                 train(run_dir, *args)
             else:
-                _ok(launch(*args, nproc=nproc))
+                res = launch(*args, nproc=nproc)
+                _ok(res)
+                self.stderr[name] = res.stderr
             self.done[name] = run_dir
         return self.done[name]
 
@@ -126,6 +129,13 @@ def test_fsdp_matches_single_and_shards_all_three(runs):
     assert full["master_bytes"] == 0 and full["params_bytes"] > 0
     half = {"params_bytes": 0.5, "grads_bytes": 0.5, "optim_bytes": 0.5}
     assert_zero_picture(fsdp, full, half)
+
+
+def test_fsdp_blocks_return_no_view_tensors(runs):
+    # A block returned its kv cache (views of k, v) even in training, and FSDP2 warned on
+    # every run that an in-place op on such a view would skip its pre-backward hook.
+    runs.get("fsdp")
+    assert "returned a view tensor" not in runs.stderr["fsdp"]
 
 
 def test_fsdp_checkpoint_moves_to_single(runs, tmp_path):

@@ -124,3 +124,14 @@ def test_global_batch_size_sets_accumulation(tmp_path):
     assert resolve_grad_accum(cfg.trainer, 2) == 2
     with pytest.raises(ConfigError, match="cannot be served"):
         resolve_grad_accum(cfg.trainer, 3)
+
+
+def test_max_steps_below_warmup_warns_and_trains(tmp_path, capsys):
+    # setup_logging's basicConfig(force=True) drops caplog's handler: read stderr instead.
+    out = train(tmp_path, "trainer.max_steps=3", "optim.warmup_steps=10", "trainer.eval_every=0")
+    assert out["step"] == 3  # a warning, not an error
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "warmup_steps" in x]
+    assert "trainer.max_steps=3 is below optim.warmup_steps=10" in line
+    assert "never reaches its peak" in line
+    train(tmp_path / "ok", "trainer.max_steps=3", "optim.warmup_steps=3", "trainer.eval_every=0")
+    assert "warmup_steps" not in capsys.readouterr().err

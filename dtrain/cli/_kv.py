@@ -19,6 +19,35 @@ def _is_plain_str(tp: Any) -> bool:
     return tp is str or args == [str]
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def exit_with_help_if_asked(
+    argv: list[str],
+    prog: str,
+    doc: str | None,
+    cls: type | None = None,
+    required: tuple[str, ...] = (),
+) -> None:
+    """-h/--help anywhere: print the usage (and cls's keys with their defaults), exit 0."""
+    if not any(a in HELP_FLAGS for a in argv):
+        return
+    lines = [f"usage: {prog} [key=value ...]", "", (doc or "").strip()]
+    if cls is not None:
+        lines += ["", "keys (default):"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {f.name}=" + ("(required)" if f.name in required else _default(f)))
+    print("\n".join(lines))
+    raise SystemExit(0)
+
+
+def _default(f: dataclasses.Field) -> str:
+    value = f.default if f.default is not dataclasses.MISSING else None
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def parse_kv(cls: type, argv: list[str], required: tuple[str, ...] = ()) -> Any:
     """`key=value ...` -> cls(...); unknown keys, bad types and missing keys -> ConfigError."""
     import yaml

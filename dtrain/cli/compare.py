@@ -3,6 +3,10 @@
     python -m dtrain.cli.compare outputs/ddp-bf16-w2-1b outputs/fsdp-bf16-w2-1b --png mem.png
     python -m dtrain.cli.compare multirun/2026-11-26_04-00-00/*      # a whole sweep
 
+The chart goes beside its inputs unless --png names it: RUN_DIR/compare_memory.png for one run,
+the run dirs' common parent folder for several (the first run dir when they share only the
+filesystem root); its path is printed last, on stderr.
+
 Reads each run dir's metrics.jsonl (or, without one, its TensorBoard event files). Throughput
 and MFU are averaged over the logged intervals after the first (which holds compilation and
 warm-up). Measured memory is the worst rank's: peak reserved on CUDA; on CPU, where RSS
@@ -16,6 +20,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,19 +310,32 @@ def check_png_path(path: Path) -> None:
         )
 
 
+CHART_NAME = "compare_memory.png"
+
+
+def default_png(run_dirs: list[str]) -> Path:
+    """Beside the inputs, not in the current directory: the folder the runs share."""
+    dirs = [Path(d).resolve() for d in run_dirs]
+    common = Path(os.path.commonpath(dirs))
+    if common == Path(common.anchor):  # runs that share only / or a drive: no place of theirs
+        common = dirs[0]
+    return common / CHART_NAME
+
+
 def main(argv: list[str] | None = None) -> int:
     from dtrain.errors import UserError, fail
 
     ap = argparse.ArgumentParser(prog="python -m dtrain.cli.compare", description=__doc__)
     ap.add_argument("run_dirs", nargs="+", help="run directories (metrics.jsonl or tensorboard/)")
-    ap.add_argument("--png", default="compare_memory.png", help="chart path")
+    ap.add_argument("--png", default=None, help="chart path (default: beside the run dirs)")
     ap.add_argument("--no-png", action="store_true", help="print the table only")
     ap.add_argument("--markdown", action="store_true", help="the table in markdown")
     ap.add_argument("--json", action="store_true", help="one JSON object per run instead")
     args = ap.parse_args(argv)
+    png = Path(args.png) if args.png else default_png(args.run_dirs)
     try:
         if not args.no_png:
-            check_png_path(Path(args.png))
+            check_png_path(png)
         runs = [read_run(d) for d in args.run_dirs]
         if args.json:
             for r in runs:
@@ -325,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(render_table(runs, markdown=args.markdown))
         if not args.no_png:
-            write_chart(runs, Path(args.png))
-            print(f"chart: {args.png}", file=sys.stderr)
+            write_chart(runs, png)
+            print(f"chart: {png}", file=sys.stderr)
     except UserError as e:
         fail(e, rank0_only=False)
     return 0

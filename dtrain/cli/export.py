@@ -38,9 +38,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 def main(argv: list[str] | None = None) -> Path:
     import torch
 
-    from dtrain.cli._kv import parse_kv
+    from dtrain.cli._kv import exit_with_help_if_asked, parse_kv
 
-    args = parse_kv(ExportArgs, sys.argv[1:] if argv is None else argv, ("checkpoint", "out"))
+    argv = sys.argv[1:] if argv is None else argv
+    required = ("checkpoint", "out")
+    exit_with_help_if_asked(argv, "python -m dtrain.cli.export", __doc__, ExportArgs, required)
+    args = parse_kv(ExportArgs, argv, required)
     if args.format not in FORMATS:
         raise ConfigError(f"format={args.format!r} is not valid; choose {', '.join(FORMATS)}")
     if args.dtype not in DTYPES:

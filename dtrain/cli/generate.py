@@ -112,9 +112,11 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 def parse_kv_args(argv: list[str]) -> GenerateArgs:
-    from dtrain.cli._kv import parse_kv
+    from dtrain.cli._kv import exit_with_help_if_asked, parse_kv
 
-    return parse_kv(GenerateArgs, argv, required=("checkpoint",))
+    required = ("checkpoint",)
+    exit_with_help_if_asked(argv, "python -m dtrain.cli.generate", __doc__, GenerateArgs, required)
+    return parse_kv(GenerateArgs, argv, required=required)
 
 
 if __name__ == "__main__":

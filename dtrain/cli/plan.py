@@ -50,7 +50,7 @@ def _number(value: str, key: str, cast, low: float, high: float | None = None):
 
 def resolve_vocab(cfg) -> int:
     """The model's vocab as the run would set it: model.vocab_size, else the tokenizer's."""
-    from dtrain.data.tokenizer import ByteTokenizer, padded_vocab
+    from dtrain.data.tokenizer import BPE_DEFAULT_VOCAB, ByteTokenizer, padded_vocab
     from dtrain.errors import ConfigError
 
     if cfg.model.vocab_size:
@@ -59,6 +59,8 @@ def resolve_vocab(cfg) -> int:
         return padded_vocab(cfg.data.vocab_size)
     if cfg.data.tokenizer == "byte":
         return padded_vocab(ByteTokenizer().vocab_size)
+    if cfg.data.tokenizer == "bpe":  # trained to exactly data.vocab_size tokens
+        return padded_vocab(cfg.data.vocab_size or BPE_DEFAULT_VOCAB)
     raise ConfigError(
         f"cannot tell the vocab of tokenizer {cfg.data.tokenizer!r} without loading it; "
         "add model.vocab_size=N (e.g. 50304 for GPT-2's)"
@@ -203,9 +205,11 @@ def render_text(p: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.cli._kv import exit_with_help_if_asked
     from dtrain.errors import UserError, fail
 
     argv = sys.argv[1:] if argv is None else argv
+    exit_with_help_if_asked(argv, "python -m dtrain.cli.plan", __doc__)
     try:
         plan = build_plan(argv)
     except UserError as e:

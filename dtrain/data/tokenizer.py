@@ -1,7 +1,8 @@
 """Tokenizers: built-in bytes, any Hugging Face `tokenizers` tokenizer, or BPE trained on the data.
 
 data.tokenizer=byte       every UTF-8 byte is a token, plus end-of-text (no files, no download)
-data.tokenizer=bpe        byte-level BPE of data.vocab_size trained on the training split, cached
+data.tokenizer=bpe        byte-level BPE of data.vocab_size (default 8192) trained on the training
+                          split, cached
 data.tokenizer=NAME|PATH  a tokenizer.json file, a folder holding one, or a hub name (gpt2, ...)
 
 Every tokenizer has an end-of-text id that joins documents when packing. The model's embedding
@@ -24,6 +25,9 @@ log = logging.getLogger("dtrain")
 VOCAB_MULTIPLE = 64  # pad the embedding to a multiple of 64 rows: tensor cores like it
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 BPE_VERSION = 1  # bump when the trainer's settings change, to invalidate cached tokenizers
+# data.tokenizer=bpe with no data.vocab_size: the vocab of conf/data/tinystories.yaml and of the
+# data benchmark (docs/benchmarks.md), and a multiple of 64, so the embedding has no padded rows.
+BPE_DEFAULT_VOCAB = 8192
 
 
 def padded_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -155,7 +159,8 @@ def build_tokenizer(
         return ByteTokenizer()
     if name != "bpe":
         return load_hf_tokenizer(name)
-    if not vocab_size or vocab_size < 260:
+    vocab_size = BPE_DEFAULT_VOCAB if vocab_size is None else vocab_size
+    if vocab_size < 260:
         raise ConfigError(
             f"data.vocab_size={vocab_size}: the bpe tokenizer needs a vocab of at least 260 "
             "(256 bytes + end-of-text + merges)"
