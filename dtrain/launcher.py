@@ -97,7 +97,11 @@ class GracefulStop:
                 from torch.distributed.elastic.multiprocessing.api import SignalException
 
                 raise SignalException("stopping: no restart", sigval=signal.Signals(stop.signum))
-            return restart(agent, worker_group)
+            result = restart(agent, worker_group)
+            if stop.signum is not None:  # it came while the old workers were going down
+                for pid in worker_pids():
+                    os.kill(pid, stop.signum)
+            return result
 
         return wrapped
 
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = GracefulStop(mp_api._terminate_process_handler, _grace_s())
     # PContext.start() installs mp_api._terminate_process_handler by name: ours goes in its place.
     mp_api._terminate_process_handler = stop
+    # torch before 2.9 ignores signals_to_handle and never installs one for SIGUSR1.
+    signal.signal(signal.SIGUSR1, stop)
     agent_api.SimpleElasticAgent._restart_workers = stop.no_restart(
         agent_api.SimpleElasticAgent._restart_workers
     )

@@ -44,14 +44,19 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _job() -> str:
-    """What every rank of one torchrun job (one attempt) shares, and no other job does."""
+    """What every rank of one torchrun job shares, and no other job does. Not the restart
+    count: each agent counts its own, and a replacement node's agent starts again at 0."""
     env = os.environ
-    return "{}@{}:{}#{}".format(
+    return "{}@{}:{}".format(
         env.get("TORCHELASTIC_RUN_ID", "-"),
         env.get("MASTER_ADDR", "-"),
         env.get("MASTER_PORT", "-"),
-        env.get("TORCHELASTIC_RESTART_COUNT", "0"),
     )
+
+
+def _key(run_dir: str | Path) -> Path:
+    # abspath, not Path.absolute(): Hydra's run dir has its `..` folded, launch/train.py's not.
+    return Path(os.path.abspath(os.fspath(run_dir)))
 
 
 def _is_locker() -> bool:
@@ -85,20 +90,23 @@ def acquire(run_dir: str | Path) -> bool:
     Returns True if this call took a lock that release() must give back; ConfigError if
     another live run holds the dir. Creates only the run dir and its lock file.
     """
-    run_dir = Path(run_dir).absolute()
+    run_dir = _key(run_dir)
     if run_dir in _held:
         return False
     path = run_dir / LOCK
     if not _is_locker():
         _wait_for_job(run_dir, path)
         return False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # teammates may resume the run
+    except OSError as e:
+        raise ConfigError(f"run dir {run_dir}: cannot open its lock file {path} ({e})") from None
+    try:
+        _lock(fd, path, run_dir)
+    except BaseException:
         os.close(fd)
-        raise ConfigError(_describe(run_dir, _holder(path))) from None
+        raise
     holder = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -112,17 +120,47 @@ def acquire(run_dir: str | Path) -> bool:
     return True
 
 
+def _lock(fd: int, path: Path, run_dir: Path) -> None:
+    """flock, waiting up to WAIT_S only for a holder of this same torchrun job (the previous
+    attempt's rank 0 of an elastic restart may still be saving)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _holder(path)
+            same_job = os.environ.get("TORCHELASTIC_RUN_ID") and holder.get("job") == _job()
+            if not same_job or time.monotonic() > deadline:
+                raise ConfigError(_describe(run_dir, holder)) from None
+            time.sleep(0.5)
+        except OSError as e:  # ENOSYS, EOPNOTSUPP, ENOLCK: a file system without locks
+            raise ConfigError(
+                f"run dir {run_dir}: its file system cannot lock {path} ({e}); mount it with "
+                "locking (e.g. Lustre's -o flock) or choose another hydra.run.dir"
+            ) from None
+
+
 def _wait_for_job(run_dir: Path, path: Path) -> None:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         if _holder(path).get("job") == _job():
             return
         time.sleep(0.2)
-    raise ConfigError(_describe(run_dir, _holder(path)))
+    err = ConfigError(
+        _describe(run_dir, _holder(path)).replace(
+            "; wait for it",
+            " (or rank 0 never took it: is the run dir on a file system every "
+            "node shares?); wait for it",
+            1,
+        )
+    )
+    err.every_rank = True  # rank 0 may be fine: this rank must say why it stops
+    raise err
 
 
 def release(run_dir: str | Path) -> None:
-    fd = _held.pop(Path(run_dir).absolute(), None)
+    fd = _held.pop(_key(run_dir), None)
     if fd is not None:
         # Emptied, then unlocked: a run that ended leaves the run dir as it found it; only a
         # run that died leaves its name behind (the next run takes the stale lock anyway).

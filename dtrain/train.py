@@ -245,16 +245,18 @@ def run(cfg: TrainConfig) -> dict:
                 if heartbeat is None or not is_timeout(e):
                     raise
                 hung = heartbeat.timeout_error(e)
+                heartbeat.close()  # its thread must not be in a store call at exit
                 heartbeat = None  # a peer is gone: tearing the group down could block too
                 raise hung from None
     finally:
         orphan.close()
-        stop.restore()
         if heartbeat is not None:
             heartbeat.close()
             ddist.shutdown()
         elif env is not None and not env.distributed:
             ddist.shutdown()
+        # Last: a second stop signal during the teardown above must not kill a rank that saved.
+        stop.restore()
 
 
 def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None) -> dict:

@@ -34,7 +34,7 @@ def main(dcfg: DictConfig) -> None:
     except FaultError as e:
         fail(e, rank0_only=not e.every_rank)
     except UserError as e:
-        fail(e)
+        fail(e, rank0_only=not getattr(e, "every_rank", False))
 
 
 if __name__ == "__main__":
@@ -44,5 +44,5 @@ if __name__ == "__main__":
         if cfg is not None:  # held until this process exits: one run per run dir
             acquire_run_dir(cfg.run_dir)
     except UserError as e:
-        fail(e)
+        fail(e, rank0_only=not getattr(e, "every_rank", False))
     main()

@@ -33,13 +33,20 @@ def train(env, cfg, hooked: bool):
     if not hooked:
         s.post_step = None
     gen = torch.Generator().manual_seed(env.rank)
+    locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
     for _ in range(3):
         tok = torch.randint(0, 64, (2, 17), generator=gen)
         s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        cached = sum(hasattr(t, "_dtrain_fp8") for t in locals_)  # cast for this step's gathers
         s.clip_and_step(1e-2, 1.0)
-    locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
+        # The step changed the weights: no shard cast from the old ones is left to be used.
+        assert not any(hasattr(t, "_dtrain_fp8") for t in locals_)
     scaled = sum(getattr(t, "_precomputed_scale", None) is not None for t in locals_)
-    cached = sum(hasattr(t, "_dtrain_fp8") for t in locals_)  # fp8 shards cast once a step
+    if hooked:  # loading weights (a resume) drops every cached shard too
+        s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        s.load_state_dict(s.state_dict())
+        assert not any(hasattr(t, "_dtrain_fp8") for t in locals_)
+        s.optimizer.zero_grad(set_to_none=True)
     weights = {
         k: v.full_tensor().clone()
         for k, v in s.module.state_dict().items()

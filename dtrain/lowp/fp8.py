@@ -85,8 +85,11 @@ def install_cached_weight_cast() -> None:
     8b under fsdp on 2x H200 those took 91 ms of a 740 ms fp8 step (profile in
     docs/benchmarks.md). Once the scale is precomputed after the step (precompute_fp8_scales),
     the fp8 shard depends only on the weight and that scale: it is cast once, fused, and reused
-    until the optimizer changes the weight (its version counter) or the scale is replaced.
-    Costs one byte per sharded block-linear parameter per rank.
+    until precompute_fp8_scales runs again, which the strategy calls after every optimizer step
+    and every load of weights (the weight's version counter cannot tell: the optimizer updates
+    the tensor under torchao's wrapper without bumping it). The cache also holds the scale it
+    was cast with and is not used with another. Costs one byte per sharded block-linear
+    parameter per rank.
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
 
@@ -98,12 +101,11 @@ def install_cached_weight_cast() -> None:
         scale = self._precomputed_scale
         if scale is None:  # before the first step: torchao's dynamic path (one all-reduce)
             return torchao_pre_all_gather(self, mesh)
-        key = (self._tensor._version, scale)
         cached = getattr(self, "_dtrain_fp8", None)
-        if cached is None or cached[0] != key[0] or cached[1] is not scale:
-            cached = (key[0], scale, _fused_cast(self._tensor, scale, self._dtype))
+        if cached is None or cached[0] is not scale:
+            cached = (scale, _fused_cast(self._tensor, scale, self._dtype))
             self._dtrain_fp8 = cached
-        return (cached[2],), (scale,)
+        return (cached[1],), (scale,)
 
     W.fsdp_pre_all_gather = fsdp_pre_all_gather
     W._dtrain_cached_cast = True
@@ -115,3 +117,7 @@ def precompute_fp8_scales(module: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(module)
+    for p in module.parameters():  # the fp8 shards cast from the old weights are stale now
+        local = getattr(p, "_local_tensor", None)
+        if hasattr(local, "_dtrain_fp8"):
+            del local._dtrain_fp8

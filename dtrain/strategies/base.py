@@ -292,6 +292,8 @@ class Strategy:
         )
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if self.post_step is not None:  # e.g. fp8's scales follow the weights just loaded
+            self.post_step()
 
     def unwrapped(self) -> nn.Module:
         """The plain model (for generation, attention maps and export)."""

@@ -88,11 +88,11 @@ def _interrupt(run: Path, how: str, rng: random.Random, strategy: str) -> int:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             assert _gone(ranks, ORPHAN_BOUND_S), f"ranks {ranks} still running"
-            return int(latest_complete(run / "checkpoints").name.split("_")[1])
-        _, err = proc.communicate(timeout=BOUND_S)
-        assert proc.returncode == 0, f"{how}: exit {proc.returncode}\n{err[-4000:]}"
-        assert "Traceback" not in err, err[-4000:]
-        assert _gone(job, 10), f"{how}: processes of the job left behind"
+        if how != "kill-agent":
+            _, err = proc.communicate(timeout=BOUND_S)
+            assert proc.returncode == 0, f"{how}: exit {proc.returncode}\n{err[-4000:]}"
+            assert "Traceback" not in err, err[-4000:]
+            assert _gone(job, 10), f"{how}: processes of the job left behind"
     finally:
         kill_tree(proc)
     after = latest_complete(run / "checkpoints")
@@ -119,7 +119,7 @@ def test_random_time_stops_under_torchrun_resume_bit_exact(tmp_path, strategy):
     for how in CHAIN:
         steps.append(_interrupt(run, how, rng, strategy))
         assert steps[-1] < MAX_STEPS, f"the run ended before the {how} signal (seed {seed})"
-    assert steps == sorted(steps), steps
+    assert all(a < b for a, b in zip(steps, steps[1:])), steps  # every stop saved anew
     last = launch(*FAST, *RUN, f"strategy={strategy}", f"hydra.run.dir={run}", nproc=2)
     assert last.returncode == 0, last.stderr[-3000:]
 

@@ -56,30 +56,53 @@ def test_the_lock_of_a_killed_run_is_stale_and_taken_over(tmp_path):
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     run = tmp_path / "run"
     assert rundir.acquire(run)
+    r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker: alive while its parent lets go of the run dir
+        os.close(w)
+        os.write(ready_w, b"x")  # running: the at-fork hook is done
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    os.read(ready_r, 1)
     try:
-        pid = os.fork()
-        if pid == 0:  # the child still runs after the parent let go: it must not hold it
-            os._exit(0 if not rundir._held else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
         rundir.release(run)
-    assert rundir.acquire(run)  # released: taken again at once
-    rundir.release(run)
+        assert rundir.acquire(run)  # a fresh open file: the child holds no copy of the lock
+        rundir.release(run)
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
     assert (run / rundir.LOCK).read_text() == ""  # a run that ended names no holder
+
+
+def test_one_run_dir_however_it_is_spelled(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert rundir.acquire("../run")  # launch/train.py's spelling of hydra.run.dir
+    try:
+        with rundir.hold_run_dir(str(tmp_path / "run")):  # Hydra's, `..` folded: the same lock
+            pass
+        assert rundir._key(tmp_path / "run") in rundir._held
+    finally:
+        rundir.release("../run")
 
 
 def test_ranks_of_one_job_share_the_lock_and_other_jobs_are_refused(tmp_path, monkeypatch):
     run = tmp_path / "run"
     job = {"TORCHELASTIC_RUN_ID": "a", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     for k, v in job.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("RANK", "0")
     assert rundir.acquire(run)
-    fd = rundir._held.pop(run.absolute())  # rank 0 holds it; below, as in rank 1's process
+    fd = rundir._held.pop(rundir._key(run))  # rank 0 holds it; below, as in rank 1's process
     try:
         monkeypatch.setenv("RANK", "1")
-        assert rundir.acquire(run) is False  # rank 1 of the same job: no wait, no lock
+        # rank 1 of the same job on a replacement node, whose agent counts restarts from 0
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        assert rundir.acquire(run) is False  # no wait, no lock
         monkeypatch.setenv("MASTER_PORT", "2")  # a rank of another job
         monkeypatch.setattr(rundir, "WAIT_S", 0.5)
         with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on "):
