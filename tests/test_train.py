@@ -53,7 +53,6 @@ def test_tensorboard_scalars_are_written(tmp_path):
         "eval/ppl",
         "perf/tokens_per_s",
         "perf/tokens_per_s_per_gpu",
-        "perf/mfu",
         "memory/rank0/params_bytes",
         "memory/rank0/grads_bytes",
         "memory/rank0/optim_bytes",
@@ -61,6 +60,20 @@ def test_tensorboard_scalars_are_written(tmp_path):
     ):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+    assert "perf/mfu" not in tags  # a CPU has no real peak to divide by
+
+
+def test_cpu_mfu_is_na_unless_a_peak_is_given(tmp_path, capsys):
+    args = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0"]
+    train(tmp_path / "cpu", *args)
+    recs = [r for r in read_jsonl(tmp_path / "cpu/metrics.jsonl") if "loss" in r]
+    assert recs and all(r["mfu"] is None for r in recs)
+    err = capsys.readouterr().err
+    assert "mfu n/a" in err
+    train(tmp_path / "peak", *args, "metrics.peak_tflops=1")
+    recs = [r for r in read_jsonl(tmp_path / "peak/metrics.jsonl") if "loss" in r]
+    assert all(isinstance(r["mfu"], float) and r["mfu"] > 0 for r in recs)
+    assert "mfu n/a" not in capsys.readouterr().err
 
 
 def test_resume_is_bit_exact(tmp_path):
