@@ -30,6 +30,7 @@ from dtrain.errors import CheckpointError, ConfigError, FaultError
 from dtrain.faults import NonfiniteInjector, point
 from dtrain.inspector import Inspector
 from dtrain.memory import (
+    PREDICTION_COMPARES,
     TB_LAYOUT,
     markdown_breakdown,
     predicted_record,
@@ -426,6 +427,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             env.rank,
         )
     skipped_logged = 0
+    prediction_logged = False
     progress = Progress(t.progress_bar and env.is_main, step, end_step)
     throughput = Throughput()
     eval_history: list[tuple[int, float]] = []
@@ -515,7 +517,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             if step >= 2 and mem_plan is not None:
                 err, what = prediction_error_pct(mem_plan, mem)
                 info["memory_prediction_error_pct"], info["memory_prediction_compares"] = err, what
-                writer.scalars(step, {"memory/prediction_error_pct": err})
+                tag, words = PREDICTION_COMPARES[what]
+                writer.scalars(step, {tag: err})
+                if not prediction_logged:  # once: the number is steady after warm-up
+                    log.info("memory prediction vs measured (%s): %+.1f%%", words, err)
+                    prediction_logged = True
             writer.record(info)
             loss_history.append((step, mean_loss))
             loss_sum.zero_()

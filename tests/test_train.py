@@ -70,6 +70,8 @@ def test_cpu_mfu_is_na_unless_a_peak_is_given(tmp_path, capsys):
     assert recs and all(r["mfu"] is None for r in recs)
     err = capsys.readouterr().err
     assert "mfu n/a" in err
+    # The CPU memory comparison says what it compared.
+    assert "memory prediction vs measured (model state only, CPU): +0.0%" in err
     train(tmp_path / "peak", *args, "metrics.peak_tflops=1")
     recs = [r for r in read_jsonl(tmp_path / "peak/metrics.jsonl") if "loss" in r]
     assert all(isinstance(r["mfu"], float) and r["mfu"] > 0 for r in recs)
