@@ -439,6 +439,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
     stopped_by_signal = False
     t_start = time.perf_counter()
 
+    if getattr(strategy, "compile_enabled", False) and step < end_step:
+        # Minutes of silence on a GPU otherwise: the first step is where torch.compile works.
+        log.info("torch.compile: the first step compiles the model and may take a few minutes")
     if step == 0 and t.eval_every > 0:
         eval_history.append((0, do_eval(0)))
     throughput.restart()
