@@ -128,23 +128,42 @@ def setup_logging(is_main: bool) -> None:
     log.setLevel(level)
 
 
+def bar_postfix(info: dict) -> dict:
+    """What the bar shows after it: loss, lr, tokens/s, and MFU when there is a real peak."""
+    out = {
+        "loss": f"{info['loss']:.4f}",
+        "lr": f"{info['lr']:.2e}",
+        "tok/s": f"{info['tokens_per_s']:.0f}",
+    }
+    if info.get("mfu") is not None:
+        out["mfu"] = f"{100 * info['mfu']:.1f}%"
+    return out
+
+
 class Progress:
     """A tqdm bar on an interactive terminal; plain log lines otherwise (CI, files)."""
 
-    def __init__(self, enabled: bool, start: int, total: int):
+    def __init__(self, enabled: bool, start: int, total: int, stream=None):
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        self._redirect = None
+        stream = stream if stream is not None else sys.stderr
+        if enabled and stream.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, file=stream
+            )
+            # Log lines (eval, checkpoints, warnings) go through tqdm.write, above the bar,
+            # instead of being cut into it.
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
 
     def update(self, step: int, info: dict | None) -> None:
         if self.bar is not None:
             self.bar.update(1)
             if info:
-                self.bar.set_postfix(
-                    loss=f"{info['loss']:.4f}", tok_s=f"{info['tokens_per_s']:.0f}", refresh=False
-                )
+                self.bar.set_postfix(bar_postfix(info), refresh=False)
         elif info:
             log.info(
                 "step %d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | mfu %s",
@@ -159,6 +178,10 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
 
 
 def evaluate(strategy, data, cfg: TrainConfig, env) -> float:
