@@ -160,8 +160,8 @@ class DebugConfig:
 class MetricsConfig:
     tensorboard: bool = True
     jsonl: bool = True
-    # Peak FLOP/s of one device for MFU. None: a table for known GPUs; on CPU a matmul
-    # measured at start-up (so CPU MFU is relative to what this machine's BLAS achieves).
+    # Peak FLOP/s of one device for MFU. None: a table for known GPUs; elsewhere (CPU, an
+    # unknown GPU) MFU is not reported, since there is no real peak to divide by.
     peak_tflops: float | None = None
 
 

@@ -966,6 +966,10 @@ TB_LAYOUT = {
         ],
         "predicted breakdown": ["Multiline", [r"memory/predicted/.*"]],
         "prediction error %": ["Multiline", [r"memory/prediction_error_pct"]],
+        "prediction error % (model state, CPU)": [
+            "Multiline",
+            [r"memory/prediction_error_pct_model_state"],
+        ],
     },
     "throughput": {
         "tokens/s per GPU": ["Multiline", [r"perf/tokens_per_s_per_gpu"]],
@@ -1011,6 +1015,14 @@ def predicted_scalars(plan: MemoryPlan) -> dict:
     for part, v in plan.at_peak.items():  # what is alive at the peak, for charts
         out[f"memory/predicted/at_peak_{part}"] = v
     return out
+
+
+# What prediction_error_pct compared -> (TensorBoard tag, words for the console): a CPU
+# model-state error is not a GPU peak error, so it never shares the peak's chart.
+PREDICTION_COMPARES = {
+    "peak_reserved": ("memory/prediction_error_pct", "peak reserved, CUDA"),
+    "model_state": ("memory/prediction_error_pct_model_state", "model state only, CPU"),
+}
 
 
 def prediction_error_pct(plan: MemoryPlan, memory_per_rank: list[dict]) -> tuple[float, str]:

@@ -30,6 +30,7 @@ from dtrain.errors import CheckpointError, ConfigError, FaultError
 from dtrain.faults import NonfiniteInjector, point
 from dtrain.inspector import Inspector
 from dtrain.memory import (
+    PREDICTION_COMPARES,
     TB_LAYOUT,
     markdown_breakdown,
     predicted_record,
@@ -127,23 +128,42 @@ def setup_logging(is_main: bool) -> None:
     log.setLevel(level)
 
 
+def bar_postfix(info: dict) -> dict:
+    """What the bar shows after it: loss, lr, tokens/s, and MFU when there is a real peak."""
+    out = {
+        "loss": f"{info['loss']:.4f}",
+        "lr": f"{info['lr']:.2e}",
+        "tok/s": f"{info['tokens_per_s']:.0f}",
+    }
+    if info.get("mfu") is not None:
+        out["mfu"] = f"{100 * info['mfu']:.1f}%"
+    return out
+
+
 class Progress:
     """A tqdm bar on an interactive terminal; plain log lines otherwise (CI, files)."""
 
-    def __init__(self, enabled: bool, start: int, total: int):
+    def __init__(self, enabled: bool, start: int, total: int, stream=None):
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        self._redirect = None
+        stream = stream if stream is not None else sys.stderr
+        if enabled and stream.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, file=stream
+            )
+            # Log lines (eval, checkpoints, warnings) go through tqdm.write, above the bar,
+            # instead of being cut into it.
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
 
     def update(self, step: int, info: dict | None) -> None:
         if self.bar is not None:
             self.bar.update(1)
             if info:
-                self.bar.set_postfix(
-                    loss=f"{info['loss']:.4f}", tok_s=f"{info['tokens_per_s']:.0f}", refresh=False
-                )
+                self.bar.set_postfix(bar_postfix(info), refresh=False)
         elif info:
             log.info(
                 "step %d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | mfu %s",
@@ -158,6 +178,10 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
 
 
 def evaluate(strategy, data, cfg: TrainConfig, env) -> float:
@@ -428,6 +452,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             env.rank,
         )
     skipped_logged = 0
+    prediction_logged = False
     progress = Progress(t.progress_bar and env.is_main, step, end_step)
     throughput = Throughput()
     eval_history: list[tuple[int, float]] = []
@@ -439,6 +464,9 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
     stopped_by_signal = False
     t_start = time.perf_counter()
 
+    if getattr(strategy, "compile_enabled", False) and step < end_step:
+        # Minutes of silence on a GPU otherwise: the first step is where torch.compile works.
+        log.info("torch.compile: the first step compiles the model and may take a few minutes")
     if step == 0 and t.eval_every > 0:
         eval_history.append((0, do_eval(0)))
     throughput.restart()
@@ -517,7 +545,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             if step >= 2 and mem_plan is not None:
                 err, what = prediction_error_pct(mem_plan, mem)
                 info["memory_prediction_error_pct"], info["memory_prediction_compares"] = err, what
-                writer.scalars(step, {"memory/prediction_error_pct": err})
+                tag, words = PREDICTION_COMPARES[what]
+                writer.scalars(step, {tag: err})
+                if not prediction_logged:  # once: the number is steady after warm-up
+                    log.info("memory prediction vs measured (%s): %+.1f%%", words, err)
+                    prediction_logged = True
             writer.record(info)
             loss_history.append((step, mean_loss))
             loss_sum.zero_()

@@ -1,7 +1,10 @@
 """The loop end to end on CPU: metrics, TensorBoard, checkpoints, bit-exact resume, signals."""
 
+import io
+import logging
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -53,7 +56,6 @@ def test_tensorboard_scalars_are_written(tmp_path):
         "eval/ppl",
         "perf/tokens_per_s",
         "perf/tokens_per_s_per_gpu",
-        "perf/mfu",
         "memory/rank0/params_bytes",
         "memory/rank0/grads_bytes",
         "memory/rank0/optim_bytes",
@@ -61,6 +63,22 @@ def test_tensorboard_scalars_are_written(tmp_path):
     ):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+    assert "perf/mfu" not in tags  # a CPU has no real peak to divide by
+
+
+def test_cpu_mfu_is_na_unless_a_peak_is_given(tmp_path, capsys):
+    args = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0"]
+    train(tmp_path / "cpu", *args)
+    recs = [r for r in read_jsonl(tmp_path / "cpu/metrics.jsonl") if "loss" in r]
+    assert recs and all(r["mfu"] is None for r in recs)
+    err = capsys.readouterr().err
+    assert "mfu n/a" in err
+    # The CPU memory comparison says what it compared.
+    assert "memory prediction vs measured (model state only, CPU): +0.0%" in err
+    train(tmp_path / "peak", *args, "metrics.peak_tflops=1")
+    recs = [r for r in read_jsonl(tmp_path / "peak/metrics.jsonl") if "loss" in r]
+    assert all(isinstance(r["mfu"], float) and r["mfu"] > 0 for r in recs)
+    assert "mfu n/a" not in capsys.readouterr().err
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -135,3 +153,34 @@ def test_max_steps_below_warmup_warns_and_trains(tmp_path, capsys):
     assert "never reaches its peak" in line
     train(tmp_path / "ok", "trainer.max_steps=3", "optim.warmup_steps=3", "trainer.eval_every=0")
     assert "warmup_steps" not in capsys.readouterr().err
+
+
+class _FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_postfix_and_log_lines_above_it(capsys):
+    from dtrain.train import Progress, bar_postfix
+
+    info = {"loss": 2.5, "lr": 3e-4, "grad_norm": 1.0, "tokens_per_s": 1234.4, "mfu": None}
+    assert bar_postfix(info) == {"loss": "2.5000", "lr": "3.00e-04", "tok/s": "1234"}
+    assert bar_postfix({**info, "mfu": 0.4})["mfu"] == "40.0%"
+
+    stream = _FakeTTY()
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [logging.StreamHandler(sys.stderr)]  # as setup_logging's basicConfig
+    try:
+        progress = Progress(True, 0, 4, stream=stream)
+        assert progress.bar is not None
+        progress.update(1, info)
+        logging.getLogger("dtrain").warning("checkpoint saved")
+        # The line went through tqdm.write (its own line), not through the original handler.
+        assert type(root.handlers[0]).__name__ == "_TqdmLoggingHandler"
+        assert "checkpoint saved\n" in capsys.readouterr().err
+        assert "lr=3.00e-04" in str(progress.bar)
+        progress.close()
+        assert type(root.handlers[0]) is logging.StreamHandler  # restored after the bar
+    finally:
+        root.handlers = saved

@@ -16,6 +16,7 @@ deepspeed is imported lazily: `import dtrain` never needs it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ from dtrain.model import build_model
 from dtrain.optim import build_optimizer, param_groups
 from dtrain.precision import Precision
 from dtrain.strategies.base import StateBytes, Strategy, compile_blocks, tensor_bytes
+
+log = logging.getLogger("dtrain")
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -201,14 +204,12 @@ class DeepSpeedStrategy(Strategy):
 
                 return FusedAdam(groups, adam_w_mode=True, **kw)
             except Exception as e:  # the op needs nvcc/a C++ toolchain; torch's works anyway
-                import logging
-
-                logging.getLogger("dtrain").warning(
-                    "DeepSpeed's Adam op did not build (%s); using torch.optim.AdamW", e
-                )
+                log.warning("DeepSpeed's Adam op did not build (%s); using torch.optim.AdamW", e)
         return build_optimizer(module, cfg, self.device)
 
     def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
+        # The first run on a machine is silent for ~90 s while DeepSpeed JIT-builds an op.
+        log.info("DeepSpeed: loading its ops (the first run on a machine builds them: minutes)")
         import deepspeed
 
         module = build_model(model_cfg, self.device, seed)
