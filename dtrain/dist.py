@@ -156,7 +156,12 @@ def init_distributed(
 
 
 def shutdown() -> None:
+    """Leave the process group once every rank is done with it."""
     if dist.is_initialized():
+        # gloo: a group torn down while a peer still has an op in flight aborts that peer now
+        # and then ("terminate called without an active exception", seen in CI); a barrier
+        # first means no rank tears down before all have finished their last collective.
+        dist.barrier()
         dist.destroy_process_group()
 
 
