@@ -451,6 +451,38 @@ def test_a_file_gone_mid_run_stops_with_one_line_from_the_worker(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_process_that_stopped_on_bad_data_exits_though_its_workers_ignore_sigterm(tmp_path):
+    """The error's traceback keeps the reader (and its DataLoader iterator) alive to the end;
+    multiprocessing's exit hook terminates workers with SIGTERM, which they ignore, then joins
+    them: without the reader closing its workers this process never exited (seen in CI)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "a.txt").write_text("first paragraph here\n\nsecond one here\n\n" * 50)
+    script = f"""
+import sys, torch
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+from test_data import build_data, local_cfg, streams
+from pathlib import Path
+bundle = build_data(local_cfg({str(tmp_path / "a.txt")!r}, num_streams=1), seq_len=8, seed=0,
+                    device=torch.device("cpu"))
+Path({str(tmp_path / "a.txt")!r}).unlink()
+(b,) = streams(bundle, 1, workers=1)
+try:
+    b.next_step()
+except Exception as e:
+    kept = e  # as a test runner or a crash reporter keeps it
+    print("stopped:", type(e).__name__)
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "stopped: DataError" in res.stdout
+
+
 def test_the_prefetcher_reads_ahead_and_raises_errors_where_their_result_was_due():
     import time
 

@@ -17,9 +17,11 @@ that is saved is the one of the last block the loop actually took.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -126,13 +128,31 @@ class _StepReader:
         )
         self.it = iter(loader)
         self.k = k  # the global index of this rank's next block
+        if workers:
+            _live_readers.add(self)
+
+    def close(self) -> None:
+        """End the DataLoader workers now, not whenever the iterator happens to be collected.
+
+        They ignore SIGTERM (ignore_stop_signals), so multiprocessing's exit hook, which
+        terminates and then joins them, would wait forever on one left alive: an error's
+        traceback holds this reader, so a run that stopped on bad data hung at exit.
+        """
+        it, self.it = self.it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # what the iterator's __del__ does; joins, else kills
 
     def _next_block(self, skipped: dict) -> torch.Tensor:
         s = self.k % self.spec.n_streams
         q = self.queues[s]
         while not q:
-            owned, blocks, states, skips = next(self.it)
+            try:
+                owned, blocks, states, skips = next(self.it)
+            except BaseException:
+                self.close()
+                raise
             if owned == "error":
+                self.close()
                 raise DataError(blocks)
             for j, s2 in enumerate(owned):
                 self.queues[s2].append((blocks[j], states[j], skips if j == 0 else None))
@@ -151,6 +171,17 @@ class _StepReader:
             blk = torch.stack([self._next_block(skipped) for _ in range(self.micro)])
             out.append(blk.pin_memory() if self.pin else blk)
         return out, dict(self.states), skipped
+
+
+# Readers with worker processes, closed at exit before multiprocessing joins their workers
+# (this module registers its hook after multiprocessing's, so it runs first).
+_live_readers: weakref.WeakSet[_StepReader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_readers() -> None:
+    for reader in list(_live_readers):
+        reader.close()
 
 
 class Prefetcher:
