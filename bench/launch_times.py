@@ -1,0 +1,102 @@
+"""Launch to step 10, per strategy, at 1b (issue #17: zero3 must start within 90 s).
+
+Each strategy runs from a cold process (its compile caches warm from earlier runs, as a user's
+second launch would be) to step 10; the time is the wall clock from the launch until the
+metrics.jsonl record of step 10 is written, with tokens/s of the steps after it.
+
+    python bench/launch_times.py [--strategies single,ddp,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMMON = [
+    "model=1b",
+    "data=synthetic",
+    "trainer.seq_len=2048",
+    "trainer.micro_batch_size=8",
+    "trainer.max_steps=20",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.progress_bar=false",
+    "checkpoint.save_final=false",
+    "precision=bf16",
+]
+STRATEGIES = {
+    "single": (1, []),
+    "ddp": (2, ["strategy=ddp"]),
+    "fsdp": (2, ["strategy=fsdp"]),
+    "zero1": (2, ["strategy=zero1"]),
+    "zero2": (2, ["strategy=zero2"]),
+    "zero3": (2, ["strategy=zero3"]),
+}
+
+
+def step_time(metrics: Path, step: int, proc: subprocess.Popen, t0: float) -> float | None:
+    """Seconds from t0 until metrics.jsonl holds `step`; None if the run ended first."""
+    needle = f'"step": {step},'
+    while proc.poll() is None:
+        if metrics.exists() and needle in metrics.read_text():
+            return time.perf_counter() - t0
+        time.sleep(0.2)
+    return time.perf_counter() - t0 if metrics.exists() and needle in metrics.read_text() else None
+
+
+def measure(name: str, root: Path) -> dict:
+    from dtrain.dist import train_command
+
+    nproc, extra = STRATEGIES[name]
+    run_dir = root / name
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    cmd = train_command([*COMMON, *extra, f"hydra.run.dir={run_dir}"], nproc)
+    env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0")  # DeepSpeed's FusedAdam build
+    t0 = time.perf_counter()
+    log = open(root / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    t10 = step_time(run_dir / "metrics.jsonl", 10, proc, t0)
+    proc.wait()
+    recs = (
+        [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+        if (run_dir / "metrics.jsonl").exists()
+        else []
+    )
+    later = sorted(r["tokens_per_s"] for r in recs if r.get("step", 0) > 12 and "tokens_per_s" in r)
+    return {
+        "launch_to_step10_s": t10,
+        "tokens_per_s": later[len(later) // 2] if later else None,
+        "returncode": proc.returncode,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--root", type=Path, default=Path("/tmp/runs/launch"))
+    args = ap.parse_args()
+    import torch
+
+    args.root.mkdir(parents=True, exist_ok=True)
+    out = {"card": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
+    for name in args.strategies.split(","):
+        if STRATEGIES[name][0] > out["gpus"]:
+            out[name] = "skipped: needs 2 GPUs"
+            continue
+        out[name] = measure(name, args.root)
+        print(name, json.dumps(out[name]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

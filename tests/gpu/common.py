@@ -1,0 +1,69 @@
+"""What the GPU tests share: a small model on real text, runs through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import launch, read_jsonl
+
+# A 4-layer GPT-2-small-wide model (d 768, ffn 2048: every matmul dimension a multiple of 16,
+# as fp8 and int8 need) on the embedded text: seconds per run, compiled or not.
+BASE = [
+    "model=small",
+    "model.n_layer=4",
+    "trainer.seq_len=256",
+    "trainer.eval_every=0",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.device=cuda",
+    "checkpoint.save_final=false",
+    "optim.warmup_steps=5",
+]
+STEPS = 30
+GLOBAL_BATCH = 16
+# Eager where compilation is not what a test is about: each compile costs ~30 s of GPU time.
+EAGER = "strategy.compile=false"
+
+
+def merged(*overrides: str, nproc: int = 1) -> list[str]:
+    """BASE, STEPS and this world size's micro-batch, each key overridden by `overrides`
+    (Hydra refuses a config group named twice on one command line)."""
+    args = [
+        *BASE,
+        f"trainer.max_steps={STEPS}",
+        f"trainer.micro_batch_size={GLOBAL_BATCH // nproc}",
+    ]
+    keys = {o.split("=", 1)[0] for o in overrides}
+
+    def kept(arg: str) -> bool:  # model=1b drops model.n_layer=4 too
+        key = arg.split("=", 1)[0]
+        return key not in keys and key.split(".", 1)[0] not in keys
+
+    return [a for a in args if kept(a)] + list(overrides)
+
+
+def run(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> list[dict]:
+    """Train through launch/train.py (torchrun for nproc > 1); the metrics.jsonl records."""
+    res = launch(
+        *merged(*overrides, nproc=nproc), f"hydra.run.dir={run_dir}", nproc=nproc, timeout=timeout
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def last(records: list[dict], key: str):
+    return [r[key] for r in records if key in r][-1]
+
+
+def record(results: Path | None, name: str, value) -> None:
+    """Append a result to the suite's JSON summary (bench/gpu_suite.sh sets the file)."""
+    if results is None:
+        return
+    data = json.loads(results.read_text()) if results.exists() else {}
+    data[name] = value
+    results.write_text(json.dumps(data, indent=1, sort_keys=True))
