@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from dtrain.hardware import GiB
@@ -14,8 +15,7 @@ from dtrain.memory.activations import (
 )
 from dtrain.memory.setup import MemorySetup, check_setup
 from dtrain.memory.state import (
-    _itemsize,
-    _numel,
+    ModelState,
     ds_reduce_bucket_bytes,
     model_state_bytes,
     param_shapes,
@@ -25,26 +25,14 @@ from dtrain.memory.state import (
 )
 from dtrain.model import ModelConfig
 
-# The CUDA context (driver, kernels of torch/cuBLAS/NCCL loaded lazily) lives outside PyTorch's
-# caching allocator: nvidia-smi shows it, torch.cuda.max_memory_reserved does not.
+# The CUDA context (driver, kernels loaded lazily) lives outside PyTorch's caching allocator:
+# nvidia-smi shows it, torch.cuda.max_memory_reserved does not.
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)
-# Reserved exceeds allocated: the caching allocator rounds blocks up and keeps freed blocks of
-# other sizes. A stated fraction of the dynamic (activation + transient) memory, the part that
-# churns every step. It holds for dtrain's default allocator, expandable segments
-# (dtrain.dist.allocator_settings): measured reserved-minus-allocated 0.0-2.4 GiB on 350m and
-# 0.3-3.1 GiB on 1b. With the allocator's classic segments (trainer.expandable_segments=false
-# or a PYTORCH_CUDA_ALLOC_CONF without them) FSDP and DeepSpeed held 4-10 GiB more on 1b than
-# they allocated, which this fraction does not cover (docs/memory.md).
+# Reserved exceeds allocated (blocks rounded up, freed blocks of other sizes kept): a share of
+# the memory that churns every step, stated for expandable segments (docs/memory.md).
 ALLOCATOR_SLACK = 0.10
-# DDP on CUDA with small buckets holds memory beyond its gradient buckets that the terms below do
-# not explain: on the 1b model (bf16, micro-batch 8 x 2048, 2 GPUs) with torch's 25 MB buckets
-# the peak allocated was 60.3 GiB with plain DDP, Lightning Fabric's DDP and dtrain's alike
-# (whole-model compile; 61.8 GiB compiled per block), ~7 GiB more than with 200, 400 or 1000 MB
-# buckets (53.0-53.3 GiB), where the plan needs no extra term (the default run: 55.3 GiB
-# reserved predicted, 55.6 measured). It comes with the ~200 graphs Dynamo cuts at 25 MB bucket
-# boundaries, so it is planned for compiled DDP only (eager DDP was not measured), below
-# DDP_SMALL_BUCKET_MB (nothing was measured between 25 and 200), as this many gradient-sized
-# buffers: an empirical term fitted on that one model (docs/memory.md).
+# Compiled DDP on CUDA with buckets under DDP_SMALL_BUCKET_MB held this many gradient-sized
+# buffers beyond its planned terms: an empirical term from one model (docs/memory.md).
 DDP_EXTRA_GRAD_BUFFERS = 2
 DDP_SMALL_BUCKET_MB = 200
 
@@ -84,6 +72,85 @@ class MemoryPlan:
         return d
 
 
+def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
+    """Predicted bytes per GPU for rank `setup.rank` (see the package docstring)."""
+    check_setup(cfg, setup)
+    shapes = param_shapes(cfg)
+    state = model_state_bytes(shapes, setup)
+    params, grads, optim, host = _on_device(state, setup)
+    notes = state.notes
+    activations = (
+        cfg.n_layer * layer_activation_bytes(cfg, setup)
+        + head_activation_bytes(cfg, setup)
+        + autocast_weight_bytes(cfg, setup)
+    )
+    gathered = _gathered_bytes(cfg, setup)
+    transient = loss_transient_bytes(cfg, setup) + gathered + _recompute_bytes(cfg, setup)
+    if _graph_split_by_small_buckets(setup):
+        transient += DDP_EXTRA_GRAD_BUFFERS * grads
+        notes.append(
+            f"DDP on CUDA with {setup.ddp_bucket_mb} MB buckets: +{DDP_EXTRA_GRAD_BUFFERS}x the "
+            "gradient bytes measured beyond its buckets (an empirical term, see docs/memory.md)"
+        )
+    # The two moments that can be the peak: the start of backward and the optimizer step.
+    backward = {
+        "params": params,
+        "grads": _grads_at_backward(cfg, setup, grads),
+        "optim": optim,
+        "activations": activations,
+        "transient": transient,
+    }
+    step = {
+        "params": params,
+        "grads": grads,
+        "optim": optim,
+        "activations": 0,
+        "transient": _step_transient(shapes, setup, grads, gathered),
+    }
+    phase = "backward" if sum(backward.values()) >= sum(step.values()) else "step"
+    at_peak = backward if phase == "backward" else step
+
+    context, slack = 0, 0
+    if setup.device == "cuda":
+        context = CUDA_CONTEXT_BYTES
+        slack = int(ALLOCATOR_SLACK * (activations + transient))
+    at_peak["overhead"] = slack + context
+    master = state.master if optim else 0  # offloaded with the optimizer states
+    return MemoryPlan(
+        params_bytes=params,
+        grads_bytes=grads,
+        optim_bytes=optim - master,
+        master_bytes=master,
+        activations_bytes=activations,
+        transient_bytes=transient,
+        overhead_bytes=slack + context,
+        context_bytes=context,
+        peak_bytes=sum(at_peak.values()) - context,
+        at_peak=at_peak,
+        host_bytes=host,
+        phase=phase,
+        n_params=sum(math.prod(sh) for sh in shapes),
+        notes=notes,
+    )
+
+
+def _on_device(state: ModelState, setup: MemorySetup) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer states with the master copy) left on the GPU, and the bytes
+    offloaded to the host, by the offload options the strategy honours."""
+    params, grads, optim, host = state.params, state.grads, state.optim + state.master, 0
+    if setup.cpu_offload and setup.honours("cpu_offload"):
+        host, params, grads, optim = params + grads + optim, 0, 0, 0
+        state.notes.append("cpu_offload: sharded params, grads and optimizer states on the host")
+    if setup.offload_optimizer and setup.honours("offload_optimizer"):
+        host, optim = host + optim, 0
+        state.notes.append("offload_optimizer: optimizer states and fp32 master on the host")
+    sharded = "params" in setup.facts.shards
+    if setup.offload_params and setup.honours("offload_params") and sharded:
+        host, params = host + params, 0
+        state.notes.append("offload_params: parameter partitions on the host")
+    return params, grads, optim, host
+
+
 def _block_numel(cfg: ModelConfig) -> int:
     hd = cfg.head_dim
     return (
@@ -93,141 +160,75 @@ def _block_numel(cfg: ModelConfig) -> int:
     )
 
 
-def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
-    """Predicted bytes per GPU for rank `setup.rank` (see the module docstring)."""
-    check_setup(cfg, setup)
-    shapes = param_shapes(cfg)
-    n_params = sum(_numel(sh) for sh in shapes)
-    state = model_state_bytes(shapes, setup)
-    params, grads, notes, master = state.params, state.grads, state.notes, state.master
-    optim = state.optim + master  # planned together: both live with the optimizer
-    pr, s = setup.precision, setup.strategy
-    c = _itemsize(pr.compute_dtype)
+def _recompute_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Under activation checkpointing the backward re-runs one block's forward: its full
+    activations exist for a moment."""
+    if setup.activation_checkpointing == "none":
+        return 0
+    return layer_activation_bytes(cfg, replace(setup, activation_checkpointing="none"))
 
-    # Offloaded state lives on the host; the GPU keeps none of it.
-    host = 0
-    if s == "fsdp" and setup.cpu_offload:
-        host, params, grads, optim = params + grads + optim, 0, 0, 0
-        notes.append("cpu_offload: sharded params, grads and optimizer states on the host")
-    if s.startswith("zero") and setup.offload_optimizer:
-        host += optim
-        optim = 0
-        notes.append("offload_optimizer: optimizer states and fp32 master on the host")
-    if s == "zero3" and setup.offload_params:
-        host += params
-        params = 0
-        notes.append("offload_params: parameter partitions on the host")
 
-    layers = cfg.n_layer * layer_activation_bytes(cfg, setup)
-    head = head_activation_bytes(cfg, setup)
-    activations = layers + head + autocast_weight_bytes(cfg, setup)
-    loss_tmp = loss_transient_bytes(cfg, setup)
-
-    # Transients besides the loss, alive at the start of backward.
+def _gathered_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """What a sharding strategy gathers or reduces through, alive at the start of backward."""
+    partition, pr = setup.facts.partition, setup.precision
+    c = pr.compute_dtype.itemsize
     block = _block_numel(cfg)
     emb = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) + cfg.d_model
-    transient = loss_tmp
-    recompute = 0
-    if setup.activation_checkpointing != "none":
-        # Backward re-runs one block's forward: its full activations exist for a moment.
-        eager = replace(setup, activation_checkpointing="none")
-        recompute = layer_activation_bytes(cfg, eager)
-    gathered = 0
-    if s == "fsdp":
-        # The root group (embeddings, final norm, output) stays unsharded in the compute dtype
-        # from forward through backward; each block is all-gathered (c bytes) with the next one
-        # prefetched, and its unsharded gradients (c bytes, cast for the reduce) exist before
-        # the reduce-scatter. Without resharding after forward every block stays gathered.
-        # precision=fp8 (tensorwise) all-gathers the blocks' linear weights in fp8 (1 byte;
-        # dtrain.lowp.fp8, enable_fsdp_float8_all_gather); their norm gains stay in c bytes.
+    if partition == "dim0":
+        # FSDP2: the root group (embeddings, final norm, output) stays unsharded from forward
+        # through backward; each block is gathered with the next one prefetched, and its
+        # unsharded gradients exist before the reduce-scatter. fp8 (tensorwise) gathers the
+        # linear weights in 1 byte (dtrain.lowp.fp8); the norm gains stay in c bytes.
         unsharded = block * c
         if quantized_inputs(setup) == "fp8" and getattr(pr, "fp8_recipe", "") == "tensorwise":
             norms = 2 * cfg.d_model
             unsharded = (block - norms) + norms * c
-        gathered = emb * c + 2 * unsharded + block * (c + _itemsize(pr.reduce_dtype))
-        if not setup.reshard_after_forward:
+        gathered = emb * c + 2 * unsharded + block * (c + pr.reduce_dtype.itemsize)
+        if not setup.reshard_after_forward:  # every block stays gathered until its backward
             gathered += (cfg.n_layer - 2) * unsharded
-    elif s == "zero3":
-        gathered = 2 * block * c + emb * c + 2 * setup.ds_bucket_elements * c
-    elif s in ("zero1", "zero2"):
-        # The reduce buckets (gradients waiting for their reduce), allocated at full size.
-        gathered = ds_reduce_bucket_bytes(setup)
-    transient += gathered + recompute
-    split_graph = setup.compile and setup.ddp_bucket_mb < DDP_SMALL_BUCKET_MB
-    if s == "ddp" and setup.device == "cuda" and setup.world_size > 1 and split_graph:
-        transient += DDP_EXTRA_GRAD_BUFFERS * grads
-        notes.append(
-            f"DDP on CUDA with {setup.ddp_bucket_mb} MB buckets: +{DDP_EXTRA_GRAD_BUFFERS}x the "
-            "gradient bytes measured beyond its buckets (an empirical term, see docs/memory.md)"
-        )
+        return gathered
+    if partition == "flat":  # ZeRO-3: two gathered blocks, the root, two buckets
+        return 2 * block * c + emb * c + 2 * setup.ds_bucket_elements * c
+    if partition == "groups":  # ZeRO-1/2: the reduce buckets, allocated at full size
+        return ds_reduce_bucket_bytes(setup)
+    return 0
 
-    # Which gradients coexist with all the activations at the start of backward?
-    # Persistent gradient buffers (DDP's buckets, DeepSpeed's flat partitions) do; gradients
-    # that zero_grad(set_to_none) frees (single, FSDP) are rebuilt while activations are freed,
-    # so only the output layer's gradient exists yet.
-    persistent_grads = grads if s in ("ddp", "zero1", "zero2", "zero3") else 0
-    head_grad = min(grads, cfg.vocab_size * cfg.d_model * _itemsize(pr.param_dtype))
-    grads_at_backward = max(persistent_grads, head_grad if s == "single" else 0)
-    if s == "fsdp":
-        grads_at_backward = 0
-    if s in ("zero1", "zero2"):
-        # Only gradients of earlier micro-steps exist as a backward starts: the optimizer step
-        # frees the partition buffer, the next backward allocates it again (at its first
-        # reduction, with activations already being freed). On 2x H200 (1b, bf16) zero1 and
-        # zero2 peaked at the same 45.32 GiB allocated.
-        grads_at_backward = grads if setup.grad_accum_steps > 1 else 0
-    backward_peak = params + optim + grads_at_backward + activations + transient
-    step_transient = gathered
-    if s in ("zero1", "zero2"):
-        # After the backward: the boundary reduction (the gradients held, see
-        # zero1_grad_elements, and the buckets), then the optimizer step (the partition
-        # buffer and one group's flat fp32 gradient partition).
-        zp = zero_partition(shapes, setup)
-        g = state_bytes_per_element(pr, deepspeed=True).grad
-        step = zp.overlap_elements * g + zero_step_copy_bytes(zp, setup)
-        step_transient = max(grads + gathered, step) - grads
-    step_peak = params + optim + grads + step_transient
-    phase = "backward" if backward_peak >= step_peak else "step"
 
-    if setup.device == "cuda":
-        context = CUDA_CONTEXT_BYTES
-        slack = int(ALLOCATOR_SLACK * (activations + transient))
-    else:
-        context = slack = 0
-    if phase == "backward":
-        at_peak = {
-            "params": params,
-            "grads": grads_at_backward,
-            "optim": optim,
-            "activations": activations,
-            "transient": transient,
-        }
-    else:
-        at_peak = {
-            "params": params,
-            "grads": grads,
-            "optim": optim,
-            "activations": 0,
-            "transient": step_transient,
-        }
-    at_peak["overhead"] = slack + context
-    peak = sum(at_peak.values()) - context
-    return MemoryPlan(
-        params_bytes=params,
-        grads_bytes=grads,
-        optim_bytes=optim - (master if optim else 0),
-        master_bytes=master if optim else 0,
-        activations_bytes=activations,
-        transient_bytes=transient,
-        overhead_bytes=slack + context,
-        context_bytes=context,
-        peak_bytes=peak,
-        at_peak=at_peak,
-        host_bytes=host,
-        phase=phase,
-        n_params=n_params,
-        notes=notes,
+def _graph_split_by_small_buckets(setup: MemorySetup) -> bool:
+    """Where the empirical DDP term applies: compiled, on CUDA, 2+ ranks, small buckets."""
+    return (
+        setup.facts.graph_split_buckets
+        and setup.compile
+        and setup.ddp_bucket_mb < DDP_SMALL_BUCKET_MB
+        and setup.device == "cuda"
+        and setup.world_size > 1
     )
+
+
+def _grads_at_backward(cfg: ModelConfig, setup: MemorySetup, grads: int) -> int:
+    """The gradients alive beside all the activations as a backward starts."""
+    facts = setup.facts
+    if facts.partition == "groups":
+        # ZeRO-1/2's step frees the partition buffer and the next backward allocates it at its
+        # first reduction: only earlier micro-steps' gradients meet the activations.
+        return grads if setup.grad_accum_steps > 1 else 0
+    if facts.persistent_grads:
+        return grads
+    if facts.shards:
+        return 0
+    # set_to_none: gradients are rebuilt while activations are freed, the output layer's first.
+    return min(grads, cfg.vocab_size * cfg.d_model * setup.precision.param_dtype.itemsize)
+
+
+def _step_transient(shapes, setup: MemorySetup, grads: int, gathered: int) -> int:
+    """Transients at the optimizer step. ZeRO-1/2: the boundary reduction (the gradients held
+    and the buckets), then the step (the partition buffer and one group's flat fp32 copy)."""
+    if setup.facts.partition != "groups":
+        return gathered
+    zp = zero_partition(shapes, setup)
+    g = state_bytes_per_element(setup.precision, fp32_master=True).grad
+    step = zp.overlap_elements * g + zero_step_copy_bytes(zp, setup)
+    return max(grads + gathered, step) - grads
 
 
 def largest_micro_batch(

@@ -46,7 +46,7 @@ def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
         f"{fmt_bytes(plan.activations_bytes + plan.transient_bytes)} and grow with "
         f"micro-batch x sequence, not with parameters.",
     ]
-    if setup.world_size > 1 and setup.strategy not in ("single", "ddp"):
+    if setup.world_size > 1 and setup.facts.shards:
         lines.append(
             f"Sharding over {setup.world_size} ranks cuts model state to {per_param:.1f} "
             f"bytes per parameter per GPU (16 unsharded)."

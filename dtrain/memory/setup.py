@@ -1,22 +1,21 @@
-"""The planner's input: what decides memory per GPU besides the model, checked, or read from a
-TrainConfig."""
+"""The planner's input: what decides memory per GPU besides the model, read from a TrainConfig
+and checked. How a strategy holds memory is its own declaration (Strategy.memory_facts)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from dtrain.config import DDP_BUCKET_MB
+from dtrain.config import ACTIVATION_CHECKPOINTING, DDP_BUCKET_MB, resolve_grad_accum
+from dtrain.errors import ConfigError
 from dtrain.model import ModelConfig
-
-STRATEGY_NAMES = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
-CHECKPOINTING = ("none", "full", "selective")
+from dtrain.strategies import STRATEGIES, MemoryFacts, strategy_class
 
 
 @dataclass
 class MemorySetup:
     """Everything besides the model config that decides memory per GPU."""
 
-    strategy: str
+    strategy: str  # a name in the strategy registry (dtrain.strategies.STRATEGIES)
     precision: object  # dtrain.precision.Precision (duck-typed: its dtype fields are read)
     world_size: int = 1
     micro_batch_size: int = 1
@@ -37,65 +36,60 @@ class MemorySetup:
     # generated config sets it, on CUDA only (DeepSpeedStrategy.ds_config).
     ds_overlap_comm: bool | None = None
 
+    @property
+    def facts(self) -> MemoryFacts:
+        """How the strategy holds memory, as it declares it."""
+        return strategy_facts(self.strategy)
+
+    def honours(self, option: str) -> bool:
+        """Whether the strategy honours a StrategyConfig option (one it ignores plans as unset)."""
+        return option in STRATEGIES[self.strategy].options
+
+
+_FIELDS = {f.name for f in fields(MemorySetup)}
+
+
+def strategy_facts(name: str) -> MemoryFacts:
+    cls = STRATEGIES.get(name)
+    facts = cls.memory_facts(name) if cls is not None else None
+    if facts is None:
+        known = sorted(n for n, c in STRATEGIES.items() if c.memory_facts(n) is not None)
+        raise ConfigError(f"cannot plan strategy '{name}'; valid choices: {', '.join(known)}")
+    return facts
+
 
 def setup_from_config(
     cfg, precision, world_size: int, device: str = "cuda", rank: int = 0
 ) -> MemorySetup:
-    """A MemorySetup from a TrainConfig. Strategy options are read by name with their
-    defaults, so the planner works before and after a strategy adds them to StrategyConfig."""
-    from dtrain.config import resolve_grad_accum
-
-    st, t = cfg.strategy, cfg.trainer
-    compile_ = getattr(st, "compile", None)
-    compile_ = compile_ if compile_ is not None else device == "cuda"
-    ckpt = getattr(st, "activation_checkpointing", "none")
-    if isinstance(ckpt, bool):
-        ckpt = "full" if ckpt else "none"
-    name = st.name
-    if name == "deepspeed":  # strategy=deepspeed strategy.stage=N is zeroN
-        name = f"zero{getattr(st, 'stage', 2)}"
-    if name == "hsdp":  # fsdp sharding within groups, replicated across them
-        name = "fsdp"
-    if name == "zero3" and st.compile is None and getattr(st, "deepcompile", None) is False:
-        compile_ = False  # ZeRO-3 without DeepCompile runs its blocks eagerly
+    """A MemorySetup from a TrainConfig; the strategy says what its config means for memory
+    (options the planner has no field for, such as compile_scope, change nothing in it)."""
+    t = cfg.trainer
+    options = strategy_class(cfg.strategy.name).memory_options(cfg.strategy, device)
     return MemorySetup(
-        strategy=name,
         precision=precision,
         world_size=world_size,
         micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len,
-        activation_checkpointing=ckpt or "none",
-        compile=bool(compile_),
-        reshard_after_forward=bool(getattr(st, "reshard_after_forward", True)),
-        replicate_degree=int(getattr(st, "replicate_degree", None) or 1),
-        cpu_offload=bool(getattr(st, "cpu_offload", False)),
-        offload_optimizer=bool(getattr(st, "offload_optimizer", False)),
-        offload_params=bool(getattr(st, "offload_params", False)),
-        # dtrain's DeepSpeed config sizes its buckets from bucket_cap_mb (elements of 4 bytes).
-        ds_bucket_elements=int(getattr(st, "bucket_cap_mb", 25)) * 2**20 // 4,
-        ddp_bucket_mb=int(getattr(st, "bucket_cap_mb", DDP_BUCKET_MB)),
         device=device,
         rank=rank,
         grad_accum_steps=resolve_grad_accum(t, world_size),
+        **{key: value for key, value in options.items() if key in _FIELDS},
     )
 
 
 def check_setup(cfg: ModelConfig, setup: MemorySetup) -> None:
-    from dtrain.errors import ConfigError
-
-    if setup.strategy not in STRATEGY_NAMES:
-        raise ConfigError(
-            f"cannot plan strategy '{setup.strategy}'; valid choices: {', '.join(STRATEGY_NAMES)}"
-        )
-    if setup.activation_checkpointing not in CHECKPOINTING:
+    strategy_facts(setup.strategy)
+    if setup.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(
             f"activation_checkpointing={setup.activation_checkpointing!r}; "
-            f"valid choices: {', '.join(CHECKPOINTING)}"
+            f"valid choices: {', '.join(ACTIVATION_CHECKPOINTING)}"
         )
     if setup.world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {setup.world_size}")
-    if setup.strategy == "single" and setup.world_size != 1:
-        raise ConfigError("strategy=single runs one process; use world_size=1 or strategy=ddp")
+    if setup.world_size != 1 and not STRATEGIES[setup.strategy].needs_distributed:
+        raise ConfigError(
+            f"strategy={setup.strategy} runs one process; use world_size=1 or strategy=ddp"
+        )
     rd = max(1, setup.replicate_degree)
     if setup.world_size % rd:
         raise ConfigError(f"replicate_degree={rd} does not divide world_size={setup.world_size}")

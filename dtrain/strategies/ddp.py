@@ -27,18 +27,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtrain.strategies.base import Strategy, compile_blocks
+from dtrain.config import StrategyConfig
+from dtrain.strategies.base import MemoryFacts, Strategy, compile_blocks
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    names = ("ddp",)
     needs_distributed = True
-
     options = ("compile_scope",)
+    # Gradients are views into DDP's buckets, which live from one step to the next.
+    memory = MemoryFacts(persistent_grads=True, graph_split_buckets=True)
 
-    @property
-    def compile_scope(self) -> str:
-        return self.cfg.compile_scope or "model"
+    @classmethod
+    def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
+        return {**super().memory_options(cfg, device_type), "ddp_bucket_mb": cfg.bucket_cap_mb}
 
     def wrap(self, module: nn.Module) -> nn.Module:
         compiled = self.compile_enabled

@@ -32,7 +32,7 @@ from dtrain.precision import (
     build_precision_optimizer,
     post_step_hook,
 )
-from dtrain.strategies.base import Strategy, compile_blocks
+from dtrain.strategies.base import MemoryFacts, Strategy, compile_blocks
 
 # Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
 # attention) and recomputes everything else (norms, activations, RoPE: cheap, memory-bound).
@@ -85,12 +85,16 @@ def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    names = ("fsdp", "hsdp")  # hsdp: conf/strategy/hsdp.yaml sets replicate_degree > 1
     needs_distributed = True
     options = (
         "reshard_after_forward",
         "cpu_offload",
         "activation_checkpointing",
         "replicate_degree",
+    )
+    memory = MemoryFacts(
+        autocast=False, shards=frozenset({"params", "grads", "optim"}), partition="dim0"
     )
 
     @classmethod
