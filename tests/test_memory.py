@@ -252,11 +252,14 @@ def test_sharding_and_checkpointing_cut_memory():
     assert offload.model_state_bytes == 0 and offload.host_bytes == fsdp.model_state_bytes
 
 
-def test_a_new_strategy_is_planned_from_the_facts_it_declares(monkeypatch):
+def test_a_new_strategy_is_planned_from_the_facts_it_declares(monkeypatch, tmp_path):
     """Adding a strategy touches its own file (here, this test), its conf/strategy YAML and its
-    tests: registered, it is checked and planned from what it declares, with no change to
-    dtrain.memory or dtrain.precision."""
-    from dtrain.config import StrategyConfig, TrainConfig
+    tests: registered, it is composed, checked and planned from what it declares, with no
+    change to dtrain.memory, dtrain.precision or dtrain.config."""
+    import shutil
+
+    from dtrain.config import CONF_DIR
+    from dtrain.config import compose as compose_from
     from dtrain.memory import setup_from_config, summary_text
     from dtrain.strategies import STRATEGIES
     from dtrain.strategies.base import MemoryFacts, Strategy
@@ -281,13 +284,19 @@ def test_a_new_strategy_is_planned_from_the_facts_it_declares(monkeypatch):
     assert new.activations_bytes == ddp.activations_bytes != fsdp.activations_bytes
     assert "Sharding over 4 ranks" in summary_text(new, setup, cfg)
 
-    # From a config: the options it honours reach the planner, the checks read its facts.
-    st = StrategyConfig(name=AutocastFSDP.name, reshard_after_forward=False)
+    # Its YAML lists what differs from the base; the options it honours reach the planner and
+    # the checks read its facts.
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "strategy/autocast-fsdp.yaml").write_text(
+        "defaults:\n  - /strategy_base@_here_\nname: autocast-fsdp\nreshard_after_forward: false\n"
+    )
+    run = compose_from(["strategy=autocast-fsdp", "model.n_layer=4", "model.vocab_size=320"], conf)
+    st, cfg = run.strategy, run.model
     reduced = replace(BF16, reduce_override=True)  # needs a strategy that reduces gradients
     AutocastFSDP.check_config(st, reduced, "cuda")
     with pytest.raises(ConfigError, match="does not apply to strategy=autocast-fsdp"):
         AutocastFSDP.check_config(replace(st, cpu_offload=True), BF16, "cuda")
-    run = TrainConfig(model=cfg, strategy=st)
     from_config = setup_from_config(run, BF16, 4, device="cpu")
     assert (from_config.strategy, from_config.reshard_after_forward) == (AutocastFSDP.name, False)
     resharded = replace(from_config, reshard_after_forward=True)
