@@ -48,9 +48,8 @@ class DataConfig:
     trust_remote_code: bool = False
 
 
-# DDP's default bucket size. torch's is 25 MB, but under the whole-model compile Dynamo splits
-# the graph at every bucket boundary: on the 1b model (2x H100) 200-1000 MB buckets ran 8.5-8.9%
-# faster and held 7 GiB less per GPU than 25 MB ones (docs/benchmarks.md).
+# DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
+# boundary, and small buckets ran slower and held more memory (docs/benchmarks.md).
 DDP_BUCKET_MB = 400
 
 

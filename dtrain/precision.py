@@ -69,13 +69,8 @@ class Precision:
 _F32, _BF16, _F16, _I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
 DTYPE_NAMES = {_F32: "fp32", _BF16: "bf16", _F16: "fp16", _I8: "int8"}  # as configs spell them
 _BLOCK_LINEARS = "the transformer blocks' linear layers (q, k, v, o, w1, w2, w3)"
-# precision=int8's grad_weight matmul when precision.int8_grad_weight is not set: bf16
-# (SwitchBack), from the saved int8 input. Under fsdp on 2 GPUs (1b, 300 steps of text,
-# docs/benchmarks.md) it ran at 0.88x bf16's tokens/s (91.6k against 104.6k, 2x H100) where
-# int8 in all three matmuls ran at 0.53x (58.5k against 111.4k, 2x H200): CUTLASS's sm80 int8
-# kernel for the grad_weight layout was the slow one. Same peak memory (28.4 GiB allocated
-# either way: the saved input is int8 in both) and no worse a loss (+4.1% against bf16's in
-# its call; all-int8 +6.1% in its). int8_grad_weight=int8 keeps all three matmuls in int8.
+# precision=int8's grad_weight matmul unless precision.int8_grad_weight says: bf16 (SwitchBack)
+# from the saved int8 input, faster than int8 there at the same memory (docs/precision.md).
 INT8_GRAD_WEIGHT_DEFAULT = "bf16"
 
 PRECISIONS: dict[str, Precision] = {

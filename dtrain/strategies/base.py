@@ -99,11 +99,10 @@ def compile_blocks(model: nn.Module, blocks: bool = True) -> None:
     """torch.compile each transformer block in place (parameter names unchanged; one compiled
     graph serves every block) and the loss on its own.
 
-    Compiling block by block is what wrappers that hook parameters between blocks need (FSDP's
-    all-gathers, DDP's bucket all-reduces, DeepSpeed's hooks); the loss, compiled apart, keeps
-    the head's fp32 logits from materialising (see dtrain.model.lm_loss): measured on the 1b
-    model, eager it held ~6 GiB more at the peak. `blocks=False` compiles only the loss, for
-    wrappers whose hooks break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
+    Block by block is what wrappers that hook parameters between blocks need (FSDP, DDP,
+    DeepSpeed); the loss compiled apart keeps the head's fp32 logits from materialising
+    (dtrain.model.lm_loss; docs/strategies.md). `blocks=False` compiles only the loss, for
+    hooks that break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
     """
     from dtrain.model import lm_loss
 

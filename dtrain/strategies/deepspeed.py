@@ -170,9 +170,8 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def deepcompile(self) -> bool:
-        """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks.
-        On by default for ZeRO-3 on CUDA: 1b on 2x H200, 112.2k tokens/s against 73.9k eager,
-        with 6 GiB less memory per GPU (docs/benchmarks.md)."""
+        """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks
+        (on by default for ZeRO-3 on CUDA, where it measured faster: docs/strategies.md)."""
         return uses_deepcompile(self.cfg, self.device.type)
 
     @classmethod
@@ -290,16 +289,9 @@ class DeepSpeedStrategy(Strategy):
 
     def _watch_reduction(self) -> None:
         """ZeRO-1: count gradient bytes as each backward hands over to the engine's reduction
-        (first optimizer step only).
-
-        ZeRO-1 reduces only at the accumulation boundary. Until then autograd's p.grad hold
-        the full gradients: before every boundary reduction without overlap_comm (CPU), and
-        at the end of the non-final micro-steps with gradient accumulation (everywhere). With
-        overlap_comm and no accumulation each gradient moves into a reduce bucket as it is
-        produced, so the rank holds its partition buffer instead. dtrain.memory's
-        zero1_grad_elements plans the same, and says what ZeRO-1 holds when.
-        (ZeRO-2/3 reduce bucket by bucket during the backward; their gradients then live in
-        the partition, which is what is counted after the backward.)"""
+        (first optimizer step only), since ZeRO-1 reduces only at the accumulation boundary and
+        may hold the full gradients until then (docs/memory.md, "What ZeRO-1 holds"). ZeRO-2/3
+        reduce during the backward: their gradients are counted after it."""
         original = self.engine.allreduce_gradients
 
         def measured(*args, **kwargs):
@@ -345,11 +337,8 @@ class DeepSpeedStrategy(Strategy):
 
     def _measure_grads(self) -> int:
         """Gradient storage now: p.grad and the partitioned buffers ZeRO reduces into (views
-        of one buffer count once), not the reduce buckets. Those are communication
-        workspace sized by bucket_cap_mb (dtrain.memory plans them as transient), yet under
-        ZeRO-1 with overlap_comm the p.grad of parameters outside the partition stay views
-        into them after the reduction: counted, they turned 1.24 GiB of gradients into
-        3.2 GiB on the 1b model (bf16, 2x H200)."""
+        of one buffer count once), not the reduce buckets: those are communication workspace
+        (planned as transient), though under ZeRO-1 some p.grad stay views into them."""
         opt = self.engine.optimizer
         buckets = {
             t.untyped_storage().data_ptr()
