@@ -48,9 +48,8 @@ class DataConfig:
     trust_remote_code: bool = False
 
 
-# DDP's default bucket size. torch's is 25 MB, but under the whole-model compile Dynamo splits
-# the graph at every bucket boundary: on the 1b model (2x H100) 200-1000 MB buckets ran 8.5-8.9%
-# faster and held 7 GiB less per GPU than 25 MB ones (docs/benchmarks.md).
+# DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
+# boundary, and small buckets ran slower and held more memory (docs/benchmarks.md).
 DDP_BUCKET_MB = 400
 
 
@@ -574,6 +573,24 @@ def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
     return f"bad command line ({' '.join(overrides)}): {first.strip()}"
 
 
+# Keys only some precisions' files have (a key a precision's file lacks is an unknown key).
+PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "int8_grad_weight")
+
+
+def register_config_bases() -> None:
+    """The bases that conf/strategy and conf/precision files extend (`strategy_base`,
+    `precision_base`): their schema's defaults, so each default is written once, here, and a
+    file lists only what differs."""
+    from hydra.core.config_store import ConfigStore
+
+    strategy = dataclasses.asdict(StrategyConfig())
+    precision = dataclasses.asdict(PrecisionConfig())
+    for key in PRECISION_OWN_KEYS:
+        del precision[key]
+    ConfigStore.instance().store(name="strategy_base", node=strategy)
+    ConfigStore.instance().store(name="precision_base", node=precision)
+
+
 def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
     """Compose conf/train.yaml with Hydra overrides into a validated TrainConfig."""
     from hydra import compose as hydra_compose
@@ -582,6 +599,7 @@ def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
+    register_config_bases()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:

@@ -17,16 +17,7 @@ import torch
 from dtrain import dist as ddist
 from dtrain.config import MetricsConfig
 from dtrain.dist import DistEnv
-
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, SXM parts.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-}
+from dtrain.hardware import gpu_named
 
 
 def peak_flops(device: torch.device, cfg: MetricsConfig) -> float | None:
@@ -35,10 +26,9 @@ def peak_flops(device: torch.device, cfg: MetricsConfig) -> float | None:
     if cfg.peak_tflops:
         return cfg.peak_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return flops
+        gpu = gpu_named(torch.cuda.get_device_name(device))
+        if gpu is not None:
+            return gpu.bf16_flops
     return None  # unknown GPU or CPU: MFU is reported as null
 
 

@@ -67,14 +67,10 @@ class Precision:
 
 
 _F32, _BF16, _F16, _I8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
+DTYPE_NAMES = {_F32: "fp32", _BF16: "bf16", _F16: "fp16", _I8: "int8"}  # as configs spell them
 _BLOCK_LINEARS = "the transformer blocks' linear layers (q, k, v, o, w1, w2, w3)"
-# precision=int8's grad_weight matmul when precision.int8_grad_weight is not set: bf16
-# (SwitchBack), from the saved int8 input. Under fsdp on 2 GPUs (1b, 300 steps of text,
-# docs/benchmarks.md) it ran at 0.88x bf16's tokens/s (91.6k against 104.6k, 2x H100) where
-# int8 in all three matmuls ran at 0.53x (58.5k against 111.4k, 2x H200): CUTLASS's sm80 int8
-# kernel for the grad_weight layout was the slow one. Same peak memory (28.4 GiB allocated
-# either way: the saved input is int8 in both) and no worse a loss (+4.1% against bf16's in
-# its call; all-int8 +6.1% in its). int8_grad_weight=int8 keeps all three matmuls in int8.
+# precision=int8's grad_weight matmul unless precision.int8_grad_weight says: bf16 (SwitchBack)
+# from the saved int8 input, faster than int8 there at the same memory (docs/precision.md).
 INT8_GRAD_WEIGHT_DEFAULT = "bf16"
 
 PRECISIONS: dict[str, Precision] = {
@@ -220,7 +216,7 @@ def _reduce_dtype(cfg: PrecisionConfig, p: Precision) -> torch.dtype | None:
         return None
     choices = {"fp32": _F32}
     if p.compute_dtype != _F32:
-        choices[_DTYPE_NAMES[p.compute_dtype]] = p.compute_dtype
+        choices[DTYPE_NAMES[p.compute_dtype]] = p.compute_dtype
     if cfg.reduce_dtype not in choices:
         raise ConfigError(
             f"precision.reduce_dtype={cfg.reduce_dtype!r} is not valid with "
@@ -248,28 +244,18 @@ def _check_int8_grad_weight(cfg: PrecisionConfig) -> None:
         )
 
 
-# Strategies that cannot carry a module swap, and why (checked by Strategy.check).
-_DEEPSPEED_PREFIXES = ("deepspeed", "zero")
-
-
-def check_strategy(precision: Precision, strategy: str) -> None:
-    """Refuse a precision that the named strategy cannot honour, with the reason."""
-    if precision.reduce_override and strategy == "single":
+def check_strategy(precision: Precision, strategy, name: str) -> None:
+    """Refuse a precision that `strategy` (a Strategy class, by the facts it declares) cannot
+    honour under strategy=`name`, with the reason."""
+    if precision.reduce_override and not strategy.needs_distributed:
         raise ConfigError(
-            "precision.reduce_dtype sets how gradients are reduced across ranks; strategy=single "
+            f"precision.reduce_dtype sets how gradients are reduced across ranks; strategy={name} "
             "reduces none: remove it, or use strategy=ddp, fsdp, hsdp or zero1-3"
         )
-    if precision.quantize and strategy.startswith(_DEEPSPEED_PREFIXES):
+    if precision.optimizer_8bit and strategy.own_optimizer:
         raise ConfigError(
-            f"precision={precision.name} is not supported with strategy={strategy}: DeepSpeed "
-            "keeps weights in its own flat bf16/fp16 buffers (ZeRO-3 gathers them in its own "
-            "hooks) and the quantized linears are not verified there; use strategy=single, ddp "
-            "or fsdp"
-        )
-    if precision.optimizer_8bit and strategy.startswith(_DEEPSPEED_PREFIXES):
-        raise ConfigError(
-            f"precision.optimizer_8bit=true is not supported with strategy={strategy}: DeepSpeed "
-            "builds its own optimizer; use strategy=single, ddp or fsdp"
+            f"precision.optimizer_8bit=true is not supported with strategy={name}: it builds "
+            "its own optimizer; use strategy=single, ddp or fsdp"
         )
 
 
@@ -351,19 +337,12 @@ def build_precision_optimizer(module: nn.Module, cfg, precision: Precision, devi
 
 # --- docs/precision.md's table -------------------------------------------------------------
 
-_DTYPE_NAMES = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.int8: "int8",
-}
-
 
 def render_table() -> str:
     """PRECISIONS as the markdown table in docs/precision.md (a test keeps them equal)."""
 
     def compute(p: Precision) -> str:
-        base = _DTYPE_NAMES[p.compute_dtype]
+        base = DTYPE_NAMES[p.compute_dtype]
         if p.tf32:
             base += " (TF32 matmuls)"
         return {"int8": "int8 matmuls in blocks, ", "fp8": "fp8 matmuls in blocks, "}.get(
@@ -377,8 +356,8 @@ def render_table() -> str:
     ]
     for p in PRECISIONS.values():
         rows.append(
-            f"| `{p.name}` | {_DTYPE_NAMES[p.param_dtype]} | {compute(p)} "
-            f"| {_DTYPE_NAMES[p.reduce_dtype]} | {_DTYPE_NAMES[p.optim_dtype]} "
+            f"| `{p.name}` | {DTYPE_NAMES[p.param_dtype]} | {compute(p)} "
+            f"| {DTYPE_NAMES[p.reduce_dtype]} | {DTYPE_NAMES[p.optim_dtype]} "
             f"| {'dynamic' if p.loss_scaling else 'none'} "
             f"| {p.quantized} |"
         )

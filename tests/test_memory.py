@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.errors import ConfigError
 from dtrain.memory import (
     MemorySetup,
     autocast_weight_bytes,
@@ -249,6 +250,73 @@ def test_sharding_and_checkpointing_cut_memory():
     assert per_layer[0] > per_layer[1] > per_layer[2] == 4 * 4 * 1024 * cfg.d_model
     offload = plan_memory(cfg, replace(base, strategy="fsdp", cpu_offload=True))
     assert offload.model_state_bytes == 0 and offload.host_bytes == fsdp.model_state_bytes
+
+
+def test_a_new_strategy_is_planned_from_the_facts_it_declares(monkeypatch, tmp_path):
+    """Adding a strategy touches its own file (here, this test), its conf/strategy YAML and its
+    tests: registered, it is composed, checked and planned from what it declares, with no
+    change to dtrain.memory, dtrain.precision or dtrain.config."""
+    import shutil
+
+    from dtrain.config import CONF_DIR
+    from dtrain.config import compose as compose_from
+    from dtrain.memory import setup_from_config, summary_text
+    from dtrain.strategies import STRATEGIES
+    from dtrain.strategies.base import MemoryFacts, Strategy
+
+    class AutocastFSDP(Strategy):
+        """FSDP2's layout, with autocast doing the casting instead of FSDP's policy."""
+
+        name = "autocast-fsdp"
+        names = ("autocast-fsdp",)
+        needs_distributed = True
+        options = ("reshard_after_forward",)
+        memory = MemoryFacts(shards=frozenset({"params", "grads", "optim"}), partition="dim0")
+
+    monkeypatch.setitem(STRATEGIES, AutocastFSDP.name, AutocastFSDP)
+    cfg = ModelConfig(n_layer=4, n_head=4, d_model=64, vocab_size=320)
+    setup = MemorySetup(AutocastFSDP.name, BF16, 4, 2, 64)
+    new = plan_memory(cfg, setup)
+    fsdp = plan_memory(cfg, replace(setup, strategy="fsdp"))
+    ddp = plan_memory(cfg, replace(setup, strategy="ddp"))
+    state = ("params_bytes", "grads_bytes", "optim_bytes")
+    assert [getattr(new, k) for k in state] == [getattr(fsdp, k) for k in state]
+    assert new.activations_bytes == ddp.activations_bytes != fsdp.activations_bytes
+    assert "Sharding over 4 ranks" in summary_text(new, setup, cfg)
+
+    # Its YAML lists what differs from the base; the options it honours reach the planner and
+    # the checks read its facts.
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "strategy/autocast-fsdp.yaml").write_text(
+        "defaults:\n  - /strategy_base@_here_\nname: autocast-fsdp\nreshard_after_forward: false\n"
+    )
+    run = compose_from(["strategy=autocast-fsdp", "model.n_layer=4", "model.vocab_size=320"], conf)
+    st, cfg = run.strategy, run.model
+    reduced = replace(BF16, reduce_override=True)  # needs a strategy that reduces gradients
+    AutocastFSDP.check_config(st, reduced, "cuda")
+    with pytest.raises(ConfigError, match="does not apply to strategy=autocast-fsdp"):
+        AutocastFSDP.check_config(replace(st, cpu_offload=True), BF16, "cuda")
+    from_config = setup_from_config(run, BF16, 4, device="cpu")
+    assert (from_config.strategy, from_config.reshard_after_forward) == (AutocastFSDP.name, False)
+    resharded = replace(from_config, reshard_after_forward=True)
+    assert (
+        plan_memory(cfg, from_config).transient_bytes > plan_memory(cfg, resharded).transient_bytes
+    )
+
+
+def test_the_planner_and_the_precision_checks_never_name_a_strategy():
+    """They ask the strategy for its facts; a strategy's name is only ever a registry key."""
+    import ast
+
+    from dtrain.strategies import STRATEGIES
+
+    names = {*STRATEGIES, "zero", "deepspeed"}
+    files = [*(ROOT / "dtrain/memory").glob("*.py"), ROOT / "dtrain/precision.py"]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                raise AssertionError(f"{path.name}:{node.lineno} compares a strategy name")
 
 
 # --- a real run: the prediction logged, and exact against the measured bytes ----------------

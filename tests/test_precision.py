@@ -4,6 +4,7 @@ skips and counts overflows, bf16-true/fp8/int8-torchao/8-bit AdamW train, bad co
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -383,10 +384,27 @@ def test_bad_precisions_are_config_errors(tmp_path, overrides, message):
 
 
 def test_quantized_precisions_refuse_deepspeed():
+    from dtrain.strategies import STRATEGIES
+
+    zero2 = STRATEGIES["zero2"]
     for name in ("int8", "fp8", "int8-torchao"):
-        with pytest.raises(ConfigError, match="not supported with strategy=zero2"):
-            check_strategy(PRECISIONS[name], "zero2")
-    check_strategy(PRECISIONS["bf16"], "zero3")  # plain dtypes are DeepSpeed's own business
+        with pytest.raises(ConfigError, match="strategy=zero2 cannot train precision="):
+            zero2.check_config(StrategyConfig(name="zero2"), PRECISIONS[name], "cuda")
+    zero2.check_config(StrategyConfig(name="zero2"), PRECISIONS["bf16"], "cuda")
+
+
+def test_precision_checks_ask_the_strategy():
+    """What a precision needs of a strategy is read from the facts it declares."""
+    from dtrain.strategies import STRATEGIES
+
+    eight_bit = replace(PRECISIONS["bf16"], optimizer_8bit=True)
+    reduced = replace(PRECISIONS["bf16"], reduce_override=True)
+    with pytest.raises(ConfigError, match="strategy=zero2: it builds its own optimizer"):
+        check_strategy(eight_bit, STRATEGIES["zero2"], "zero2")
+    with pytest.raises(ConfigError, match="strategy=single reduces none"):
+        check_strategy(reduced, STRATEGIES["single"], "single")
+    check_strategy(eight_bit, STRATEGIES["fsdp"], "fsdp")
+    check_strategy(reduced, STRATEGIES["ddp"], "ddp")
 
 
 def test_fp16_on_cpu_exits_2_with_one_line(tmp_path):

@@ -4,7 +4,7 @@
     python -m dtrain.cli.plan model=350m strategy=ddp world_size=2 format=json
 
 Takes the training overrides (composed through conf/ exactly as launch/train.py does) plus
-plan-only keys: world_size= (default 1), gpu= (default h100-80gb; see GPUS in dtrain.memory),
+plan-only keys: world_size= (default 1), gpu= (default h100-80gb; see GPUS in dtrain.hardware),
 format=text|json, mfu= (default 0.4, for GPU-hours), tokens= (default: the run's own
 max_steps x global batch x seq_len). Bad input: one line on stderr, exit code 2.
 """
@@ -75,10 +75,9 @@ def build_plan(argv: list[str]) -> dict:
 
     from dtrain.config import PrecisionConfig, compose, resolve_grad_accum
     from dtrain.errors import ConfigError
+    from dtrain.hardware import GPUS, gpu_peak_flops
     from dtrain.memory import (
-        GPUS,
         compute_budget,
-        gpu_peak_flops,
         largest_micro_batch,
         plan_memory,
         setup_from_config,

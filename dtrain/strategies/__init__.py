@@ -1,36 +1,49 @@
-"""Strategy registry: strategy=<name> -> its class. One file per strategy."""
+"""The one registry of strategies: strategy=<name> -> its class, for every Strategy defined in a
+module of this package, under each of its `names`. A new strategy is a new file here."""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from dtrain.config import StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.precision import Precision
-from dtrain.strategies.base import StateBytes, Strategy
-from dtrain.strategies.ddp import DDPStrategy
-from dtrain.strategies.deepspeed import DeepSpeedStrategy
-from dtrain.strategies.fsdp import FSDPStrategy
-from dtrain.strategies.single import SingleStrategy
+from dtrain.strategies.base import MemoryFacts, StateBytes, Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "single": SingleStrategy,
-    "ddp": DDPStrategy,
-    "fsdp": FSDPStrategy,
-    "hsdp": FSDPStrategy,  # fsdp with replicate_degree > 1 (conf/strategy/hsdp.yaml)
-    # One DeepSpeed class for every ZeRO stage; zero1/2/3 are deepspeed with the stage set.
-    "deepspeed": DeepSpeedStrategy,
-    "zero1": DeepSpeedStrategy,
-    "zero2": DeepSpeedStrategy,
-    "zero3": DeepSpeedStrategy,
-}
+
+def _discover() -> dict[str, type[Strategy]]:
+    found: dict[str, type[Strategy]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            defined_here = getattr(obj, "__module__", None) == module.__name__
+            if defined_here and isinstance(obj, type) and issubclass(obj, Strategy):
+                found.update(dict.fromkeys(obj.names, obj))
+    return found
+
+
+STRATEGIES: dict[str, type[Strategy]] = _discover()
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"unknown strategy '{name}'; valid choices: {', '.join(sorted(STRATEGIES))}"
+        )
+    return STRATEGIES[name]
 
 
 def build_strategy(cfg: StrategyConfig, precision: Precision, env: DistEnv) -> Strategy:
-    if cfg.name not in STRATEGIES:
-        raise ConfigError(
-            f"unknown strategy '{cfg.name}'; valid choices: {', '.join(sorted(STRATEGIES))}"
-        )
-    return STRATEGIES[cfg.name](cfg, precision, env)  # its check() refuses what it cannot run
+    return strategy_class(cfg.name)(cfg, precision, env)  # its check() refuses what it cannot run
 
 
-__all__ = ["STRATEGIES", "StateBytes", "Strategy", "build_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "MemoryFacts",
+    "StateBytes",
+    "Strategy",
+    "build_strategy",
+    "strategy_class",
+]

@@ -2,7 +2,9 @@
 
 A strategy owns: building and wrapping the model, building the optimizer after wrapping,
 forward/backward (no gradient sync on non-final micro-steps), clipping and stepping, the state it
-saves and loads, and the bytes of model state its rank holds. The loop never asks its name.
+saves and loads, and the bytes of model state its rank holds. It also declares the facts others
+need about it (the names it answers to, the precisions it accepts, how it holds memory), so the
+loop, the planner and the precision checks never ask its name.
 
 The defaults here are the single-device behaviour; a strategy overrides what differs.
 """
@@ -10,7 +12,7 @@ The defaults here are the single-device behaviour; a strategy overrides what dif
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -22,12 +24,36 @@ from dtrain.errors import ConfigError
 from dtrain.model import build_model
 from dtrain.optim import set_lr
 from dtrain.precision import (
+    PRECISIONS,
     Precision,
     apply_precision,
     build_loss_scaler,
     build_precision_optimizer,
     check_strategy,
 )
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """How a strategy holds memory on each rank: what dtrain.memory plans from."""
+
+    # Mixed precision by autocast over weights kept in the param dtype; False: the wrapper hands
+    # the module its weights already in the compute dtype (FSDP's policy, DeepSpeed's cast).
+    autocast: bool = True
+    # The model state split over the ranks: any of "params", "grads", "optim" (ZeRO's stages).
+    shards: frozenset[str] = frozenset()
+    # How it is split: "dim0" (each tensor's rows, padded to the shard group: FSDP2), "flat"
+    # (each tensor flattened and padded: ZeRO-3) or "groups" (each optimizer param group
+    # flattened, padded to 2N: ZeRO-1/2); "" where nothing is split.
+    partition: str = ""
+    # The optimizer steps an fp32 master partition apart from the module, whose weights are
+    # cast to the compute dtype (DeepSpeed's ZeRO optimizers, even in fp32).
+    fp32_master: bool = False
+    # Gradient buffers outlive the optimizer step (DDP's buckets, ZeRO-3's partitions); False:
+    # zero_grad(set_to_none) frees the gradients.
+    persistent_grads: bool = False
+    # Dynamo cuts a compiled graph at its gradient buckets (DDP's DDPOptimizer).
+    graph_split_buckets: bool = False
 
 
 @dataclass
@@ -73,11 +99,10 @@ def compile_blocks(model: nn.Module, blocks: bool = True) -> None:
     """torch.compile each transformer block in place (parameter names unchanged; one compiled
     graph serves every block) and the loss on its own.
 
-    Compiling block by block is what wrappers that hook parameters between blocks need (FSDP's
-    all-gathers, DDP's bucket all-reduces, DeepSpeed's hooks); the loss, compiled apart, keeps
-    the head's fp32 logits from materialising (see dtrain.model.lm_loss): measured on the 1b
-    model, eager it held ~6 GiB more at the peak. `blocks=False` compiles only the loss, for
-    wrappers whose hooks break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
+    Block by block is what wrappers that hook parameters between blocks need (FSDP, DDP,
+    DeepSpeed); the loss compiled apart keeps the head's fp32 logits from materialising
+    (dtrain.model.lm_loss; docs/strategies.md). `blocks=False` compiles only the loss, for
+    hooks that break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
     """
     from dtrain.model import lm_loss
 
@@ -88,32 +113,19 @@ def compile_blocks(model: nn.Module, blocks: bool = True) -> None:
 
 
 # StrategyConfig keys that only some strategies honour; each strategy lists its own in `options`.
-OPTIONAL_KEYS = (
-    "reshard_after_forward",
-    "cpu_offload",
-    "activation_checkpointing",
-    "replicate_degree",
-    "stage",
-    "offload_optimizer",
-    "offload_params",
-    "compile_scope",
-    "deepcompile",
+OPTIONAL_KEYS = tuple(
+    f.name for f in fields(StrategyConfig) if f.name not in ("name", "compile", "bucket_cap_mb")
 )
 
 
 class Strategy:
-    name = "single"
-    precisions: tuple[str, ...] = (
-        "fp32",
-        "bf16",
-        "bf16-true",
-        "fp16",
-        "int8",
-        "int8-torchao",
-        "fp8",
-    )
-    needs_distributed = False
+    name = "single"  # what the logs and checkpoint manifests call it
+    names: tuple[str, ...] = ()  # the strategy=<name> choices this class serves (the registry)
+    precisions: tuple[str, ...] = tuple(PRECISIONS)
+    needs_distributed = False  # False: one process, so no gradients are reduced across ranks
+    own_optimizer = False  # builds its optimizer itself rather than through dtrain.optim
     options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
+    memory = MemoryFacts()
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.cfg, self.precision, self.env = cfg, precision, env
@@ -140,7 +152,7 @@ class Strategy:
                 f"strategy={cfg.name} cannot train precision={precision.name}; "
                 f"valid precisions for it: {', '.join(cls.precisions)}"
             )
-        check_strategy(precision, cfg.name)
+        check_strategy(precision, cls, cfg.name)
         default = StrategyConfig()
         for key in OPTIONAL_KEYS:
             if key not in cls.options and getattr(cfg, key) != getattr(default, key):
@@ -163,9 +175,27 @@ class Strategy:
         self.check_config(self.cfg, self.precision, self.device.type)
         self.check_world(self.cfg, self.env.world_size)
 
+    @classmethod
+    def compiles(cls, cfg: StrategyConfig, device_type: str) -> bool:
+        """Whether training runs compiled: strategy.compile, else on CUDA only."""
+        return cfg.compile if cfg.compile is not None else device_type == "cuda"
+
     @property
     def compile_enabled(self) -> bool:
-        return self.cfg.compile if self.cfg.compile is not None else self.device.type == "cuda"
+        return self.compiles(self.cfg, self.device.type)
+
+    # --- what the memory planner reads -------------------------------------------------
+    @classmethod
+    def memory_facts(cls, name: str) -> MemoryFacts | None:
+        """How a rank of strategy=<name> holds memory; None where that name cannot be planned."""
+        return cls.memory
+
+    @classmethod
+    def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
+        """What this strategy's config means for the planner, by dtrain.memory.MemorySetup's
+        field names: its name, whether it compiles and the options it honours."""
+        honoured = {key: getattr(cfg, key) for key in cls.options}
+        return {**honoured, "strategy": cls.name, "compile": cls.compiles(cfg, device_type)}
 
     # --- building ----------------------------------------------------------------------
     def configure(self, *, micro_batch_size: int, grad_accum_steps: int, grad_clip: float) -> None:

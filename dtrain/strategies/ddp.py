@@ -4,18 +4,11 @@ Gradients are views into DDP's buckets (gradient_as_bucket_view), so a rank hold
 them, not two. Non-final micro-steps skip the all-reduce (no_sync). Gradients are all-reduced in
 fp32 unless precision.reduce_dtype asks for bf16 (DDP's compress hook: half the bytes to send).
 
-Buckets of 400 MB by default (strategy.bucket_cap_mb; torch's default is 25): under the
-whole-model compile, Dynamo splits the graph at every bucket boundary, and on the 1b model (2x
-H100, bf16) 25 MB buckets (~200 graphs) ran at 97.7k tokens/s holding 60.3 GiB, 200-1000 MB
-buckets at 106.0-106.4k holding 53.0-53.3 GiB (docs/benchmarks.md).
-
 Compiled whole by default (strategy.compile_scope=model): Dynamo's DDPOptimizer splits the graph
-at bucket boundaries so all-reduces still overlap the backward. `compile_scope=blocks` compiles
-each block and the loss, then wraps (DDP's hooks sit between compiled blocks, as with FSDP); on
-the 1b model on 2x H200 it measured 104.4k tokens/s against 106.0k for the whole-model graph,
-with 1.5 GiB more reserved (docs/benchmarks.md). Compiling the model before wrapping it gives
-the same split graph (Dynamo sees the DDP module it runs under and applies DDPOptimizer anyway;
-measured 97.8k against 97.7k), so it is not offered.
+at bucket boundaries so all-reduces still overlap the backward, which is why the buckets are
+large (strategy.bucket_cap_mb, 400 MB); `compile_scope=blocks` compiles each block and the loss,
+then wraps. Compiling before wrapping gives the same split graph, so it is not offered.
+Measurements of both choices: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,18 +20,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtrain.strategies.base import Strategy, compile_blocks
+from dtrain.config import StrategyConfig
+from dtrain.strategies.base import MemoryFacts, Strategy, compile_blocks
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    names = ("ddp",)
     needs_distributed = True
-
     options = ("compile_scope",)
+    # Gradients are views into DDP's buckets, which live from one step to the next.
+    memory = MemoryFacts(persistent_grads=True, graph_split_buckets=True)
 
-    @property
-    def compile_scope(self) -> str:
-        return self.cfg.compile_scope or "model"
+    @classmethod
+    def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
+        return {**super().memory_options(cfg, device_type), "ddp_bucket_mb": cfg.bucket_cap_mb}
 
     def wrap(self, module: nn.Module) -> nn.Module:
         compiled = self.compile_enabled

@@ -26,12 +26,29 @@ from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
 from dtrain.optim import build_optimizer, param_groups
-from dtrain.precision import Precision
-from dtrain.strategies.base import StateBytes, Strategy, compile_blocks, tensor_bytes
+from dtrain.precision import DTYPE_NAMES, Precision
+from dtrain.strategies.base import (
+    MemoryFacts,
+    StateBytes,
+    Strategy,
+    compile_blocks,
+    tensor_bytes,
+)
 
 log = logging.getLogger("dtrain")
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# What each stage splits (Rajbhandari et al. 2019); every stage steps fp32 master partitions.
+_ZERO = dict(autocast=False, fp32_master=True)
+ZERO_MEMORY = {
+    "zero1": MemoryFacts(shards=frozenset({"optim"}), partition="groups", **_ZERO),
+    "zero2": MemoryFacts(shards=frozenset({"optim", "grads"}), partition="groups", **_ZERO),
+    "zero3": MemoryFacts(
+        shards=frozenset({"optim", "grads", "params"}),
+        partition="flat",
+        persistent_grads=True,
+        **_ZERO,
+    ),
+}
 
 
 def zero_stage(cfg: StrategyConfig) -> int:
@@ -47,6 +64,12 @@ def zero_stage(cfg: StrategyConfig) -> int:
     if cfg.stage is None:
         raise ConfigError("strategy=deepspeed needs strategy.stage=1, 2 or 3 (or strategy=zeroN)")
     return cfg.stage
+
+
+def bucket_elements(cfg: StrategyConfig) -> int:
+    """DeepSpeed's reduce and all-gather bucket size: strategy.bucket_cap_mb, counted in
+    elements of 4 bytes (DeepSpeed counts elements, not bytes)."""
+    return cfg.bucket_cap_mb * 2**20 // 4
 
 
 def uses_deepcompile(cfg: StrategyConfig, device_type: str) -> bool:
@@ -75,11 +98,13 @@ def _tensors_in(obj):
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    names = ("deepspeed", *ZERO_MEMORY)  # zero1/2/3: deepspeed with the stage set
     needs_distributed = True
     # What this translation covers (bf16: DeepSpeed's bf16 section, fp32 masters). fp16 would
-    # need DeepSpeed's own loss scaler wired to our overflow metrics; quantized precisions are
-    # refused by precision.check_strategy with the reason.
+    # need DeepSpeed's own loss scaler wired to our overflow metrics; the quantized linears
+    # cannot live in DeepSpeed's flat bf16 buffers (ZeRO-3 gathers them in its own hooks).
     precisions = ("fp32", "bf16")
+    own_optimizer = True
     options = ("stage", "offload_optimizer", "offload_params", "deepcompile")
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
@@ -87,6 +112,18 @@ class DeepSpeedStrategy(Strategy):
         self.name = f"zero{self.stage}"  # what the manifest and the logs call it
         super().__init__(cfg, precision, env)
         self.engine = None
+
+    @classmethod
+    def memory_facts(cls, name: str) -> MemoryFacts | None:
+        return ZERO_MEMORY.get(name)  # strategy=deepspeed is planned as the zeroN of its stage
+
+    @classmethod
+    def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
+        return {
+            **super().memory_options(cfg, device_type),
+            "strategy": f"zero{zero_stage(cfg)}",
+            "ds_bucket_elements": bucket_elements(cfg),
+        }
 
     @classmethod
     def check_config(cls, cfg: StrategyConfig, precision: Precision, device_type: str) -> None:
@@ -113,9 +150,9 @@ class DeepSpeedStrategy(Strategy):
             # DeepSpeed 0.19.8's DeepCompile reduce-scatters gradients in their own dtype
             # (csrc/compile/z3.cpp flushReduceBucket) and reads no communication_data_type.
             raise ConfigError(
-                f"precision.reduce_dtype={_DTYPE_NAMES[wanted]} cannot be honoured with "
+                f"precision.reduce_dtype={DTYPE_NAMES[wanted]} cannot be honoured with "
                 "DeepSpeed's DeepCompile (on by default for zero3 on CUDA), which reduces "
-                f"gradients in their own dtype ({_DTYPE_NAMES[grads]}); remove it, or set "
+                f"gradients in their own dtype ({DTYPE_NAMES[grads]}); remove it, or set "
                 "strategy.deepcompile=false"
             )
         if cfg.offload_params and stage != 3:
@@ -133,26 +170,25 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def deepcompile(self) -> bool:
-        """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks.
-        On by default for ZeRO-3 on CUDA: 1b on 2x H200, 112.2k tokens/s against 73.9k eager,
-        with 6 GiB less memory per GPU (docs/benchmarks.md)."""
+        """DeepSpeed's DeepCompile: its compiler passes replace ZeRO-3's parameter-fetch hooks
+        (on by default for ZeRO-3 on CUDA, where it measured faster: docs/strategies.md)."""
         return uses_deepcompile(self.cfg, self.device.type)
 
-    @property
-    def compile_enabled(self) -> bool:
+    @classmethod
+    def compiles(cls, cfg: StrategyConfig, device_type: str) -> bool:
         # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked
         # (or DeepCompile, which replaces the hooks by compiler passes, is on).
-        if self.deepcompile:
+        if uses_deepcompile(cfg, device_type):
             return True
-        if self.cfg.compile is None:
-            return self.device.type == "cuda" and self.stage < 3
-        return self.cfg.compile
+        if cfg.compile is None:
+            return device_type == "cuda" and zero_stage(cfg) < 3
+        return cfg.compile
 
     # --- building ----------------------------------------------------------------------
     def ds_config(self, model_cfg: ModelConfig) -> dict:
         """DeepSpeed's JSON config, generated from ours."""
         on_cuda = self.device.type == "cuda"
-        bucket = self.cfg.bucket_cap_mb * 2**20 // 4  # DeepSpeed counts elements, not bytes
+        bucket = bucket_elements(self.cfg)
         zero: dict = {
             "stage": self.stage,
             "overlap_comm": on_cuda,
@@ -185,8 +221,8 @@ class DeepSpeedStrategy(Strategy):
             config["compile"] = {"deepcompile": True}
         if p.mixed:
             # bf16 parameters for compute, fp32 master weights and moments in the optimizer.
-            config[_DTYPE_NAMES[p.compute_dtype]] = {"enabled": True}
-            config["communication_data_type"] = _DTYPE_NAMES[p.reduce_dtype]
+            config[DTYPE_NAMES[p.compute_dtype]] = {"enabled": True}
+            config["communication_data_type"] = DTYPE_NAMES[p.reduce_dtype]
         return config
 
     def build_ds_optimizer(self, module: nn.Module, cfg: OptimConfig):
@@ -253,16 +289,9 @@ class DeepSpeedStrategy(Strategy):
 
     def _watch_reduction(self) -> None:
         """ZeRO-1: count gradient bytes as each backward hands over to the engine's reduction
-        (first optimizer step only).
-
-        ZeRO-1 reduces only at the accumulation boundary. Until then autograd's p.grad hold
-        the full gradients: before every boundary reduction without overlap_comm (CPU), and
-        at the end of the non-final micro-steps with gradient accumulation (everywhere). With
-        overlap_comm and no accumulation each gradient moves into a reduce bucket as it is
-        produced, so the rank holds its partition buffer instead. dtrain.memory's
-        zero1_grad_elements plans the same, and says what ZeRO-1 holds when.
-        (ZeRO-2/3 reduce bucket by bucket during the backward; their gradients then live in
-        the partition, which is what is counted after the backward.)"""
+        (first optimizer step only), since ZeRO-1 reduces only at the accumulation boundary and
+        may hold the full gradients until then (docs/memory.md, "What ZeRO-1 holds"). ZeRO-2/3
+        reduce during the backward: their gradients are counted after it."""
         original = self.engine.allreduce_gradients
 
         def measured(*args, **kwargs):
@@ -308,11 +337,8 @@ class DeepSpeedStrategy(Strategy):
 
     def _measure_grads(self) -> int:
         """Gradient storage now: p.grad and the partitioned buffers ZeRO reduces into (views
-        of one buffer count once), not the reduce buckets. Those are communication
-        workspace sized by bucket_cap_mb (dtrain.memory plans them as transient), yet under
-        ZeRO-1 with overlap_comm the p.grad of parameters outside the partition stay views
-        into them after the reduction: counted, they turned 1.24 GiB of gradients into
-        3.2 GiB on the 1b model (bf16, 2x H200)."""
+        of one buffer count once), not the reduce buckets: those are communication workspace
+        (planned as transient), though under ZeRO-1 some p.grad stay views into them."""
         opt = self.engine.optimizer
         buckets = {
             t.untyped_storage().data_ptr()

@@ -32,7 +32,7 @@ from dtrain.precision import (
     build_precision_optimizer,
     post_step_hook,
 )
-from dtrain.strategies.base import Strategy, compile_blocks
+from dtrain.strategies.base import MemoryFacts, Strategy, compile_blocks
 
 # Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
 # attention) and recomputes everything else (norms, activations, RoPE: cheap, memory-bound).
@@ -72,12 +72,8 @@ def apply_activation_checkpointing(block: nn.Module, mode: str) -> nn.Module:
 
 
 def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
-    """The optimizer config to use beside ShardedGradScaler (fp16): not fused.
-
-    ShardedGradScaler's found_inf has shape (1,); fused AdamW subtracts it in place from its
-    0-d step counters and fails ("output with shape [] doesn't match the broadcast shape [1]",
-    fp16 under fsdp on 2x H200, torch 2.11, bench/results/2026-11-26b/dtrain_loss_fp16.log).
-    The foreach AdamW takes it."""
+    """The optimizer config to use beside ShardedGradScaler (fp16): not fused, since fused
+    AdamW cannot take its (1,)-shaped found_inf into 0-d step counters; foreach can."""
     if precision.loss_scaling and optim_cfg.fused is not False:
         return replace(optim_cfg, fused=False)
     return optim_cfg
@@ -85,12 +81,16 @@ def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    names = ("fsdp", "hsdp")  # hsdp: conf/strategy/hsdp.yaml sets replicate_degree > 1
     needs_distributed = True
     options = (
         "reshard_after_forward",
         "cpu_offload",
         "activation_checkpointing",
         "replicate_degree",
+    )
+    memory = MemoryFacts(
+        autocast=False, shards=frozenset({"params", "grads", "optim"}), partition="dim0"
     )
 
     @classmethod

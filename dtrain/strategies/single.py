@@ -5,4 +5,5 @@ from dtrain.strategies.base import Strategy
 
 class SingleStrategy(Strategy):
     name = "single"
+    names = ("single",)
     options = ("compile_scope",)

@@ -1,0 +1,167 @@
+"""The plan in words, in TensorBoard and metrics.jsonl, and against what a run measured."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dtrain.hardware import GiB
+from dtrain.memory.plan import MemoryPlan, plan_memory
+from dtrain.memory.setup import MemorySetup, setup_from_config
+from dtrain.model import ModelConfig
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
+    """A few sentences: where the memory goes, and the rule of thumb against this breakdown."""
+    n = plan.n_params
+    parts = {
+        "parameters": plan.params_bytes,
+        "gradients": plan.grads_bytes,
+        "optimizer states": plan.optim_bytes,
+        "activations": plan.activations_bytes,
+        "transient buffers": plan.transient_bytes,
+    }
+    biggest = max(parts, key=parts.get)
+    per_param = plan.model_state_bytes / n if n else 0.0
+    full_state = 16 * n  # 4 (fp32 weight) + 4 (grad) + 8 (Adam moments): the 1B -> ~16 GB part
+    thumb = 24 * n  # "24 GB per 1B parameters at fp32": ~4 bytes of weights + 20 extra
+    lines = [
+        f"{setup.strategy} x {setup.precision.name} on {setup.world_size} rank(s), "
+        f"{cfg.name} ({n / 1e6:.1f}M params), micro-batch {setup.micro_batch_size} x "
+        f"{setup.seq_len} tokens: predicted peak {fmt_bytes(plan.total_bytes)} per GPU "
+        f"({plan.phase} is the peak moment).",
+        f"The largest part is {biggest} ({fmt_bytes(parts[biggest])}); model state is "
+        f"{fmt_bytes(plan.model_state_bytes)} = {per_param:.1f} bytes per parameter per GPU, "
+        f"activations and buffers {fmt_bytes(plan.activations_bytes + plan.transient_bytes)}.",
+        f"Rule of thumb: ~20 extra bytes per parameter on top of the weights, 24 GB per 1B "
+        f"parameters at fp32, gives {fmt_bytes(thumb)} for this model; unsharded fp32 AdamW "
+        f"state is really 16 bytes per parameter ({fmt_bytes(full_state)}), and the rest of "
+        f"the rule is an allowance for activations, which here are "
+        f"{fmt_bytes(plan.activations_bytes + plan.transient_bytes)} and grow with "
+        f"micro-batch x sequence, not with parameters.",
+    ]
+    if setup.world_size > 1 and setup.facts.shards:
+        lines.append(
+            f"Sharding over {setup.world_size} ranks cuts model state to {per_param:.1f} "
+            f"bytes per parameter per GPU (16 unsharded)."
+        )
+    lines += plan.notes
+    return " ".join(lines)
+
+
+# TensorBoard custom-scalars layout: one chart per quantity with every rank's (and, with
+# --logdir at the parent of several run dirs, every run's) curves overlaid.
+TB_LAYOUT = {
+    "memory": {
+        "peak reserved per rank (CUDA)": [
+            "Multiline",
+            [r"memory/rank\d+/peak_reserved_bytes", r"memory/predicted/peak_reserved_bytes"],
+        ],
+        "peak RSS per rank (CPU)": ["Multiline", [r"memory/rank\d+/peak_rss_bytes"]],
+        "model state per rank": [
+            "Multiline",
+            [r"memory/rank\d+/(params|grads|optim)_bytes", r"memory/predicted/model_state_bytes"],
+        ],
+        "predicted breakdown": ["Multiline", [r"memory/predicted/.*"]],
+        "prediction error %": ["Multiline", [r"memory/prediction_error_pct"]],
+        "prediction error % (model state, CPU)": [
+            "Multiline",
+            [r"memory/prediction_error_pct_model_state"],
+        ],
+    },
+    "throughput": {
+        "tokens/s per GPU": ["Multiline", [r"perf/tokens_per_s_per_gpu"]],
+        "MFU": ["Multiline", [r"perf/mfu"]],
+        "loss": ["Multiline", [r"train/loss", r"eval/loss"]],
+    },
+}
+
+
+def run_prediction(cfg, precision, env, compile_enabled: bool) -> tuple[MemoryPlan, MemorySetup]:
+    """The plan for rank 0 of this run (the rank that holds the most under FSDP padding)."""
+    setup = setup_from_config(cfg, precision, env.world_size, device=env.device.type)
+    setup = replace(setup, compile=compile_enabled)
+    return plan_memory(cfg.model, setup), setup
+
+
+def predicted_record(plan: MemoryPlan) -> dict:
+    """The `memory_predicted` object of metrics.jsonl."""
+    keys = (
+        "params_bytes",
+        "grads_bytes",
+        "optim_bytes",
+        "activations_bytes",
+        "transient_bytes",
+        "overhead_bytes",
+        "context_bytes",
+        "peak_bytes",
+        "host_bytes",
+        "master_bytes",
+    )
+    out = {k: getattr(plan, k) for k in keys}
+    out["total_bytes"] = plan.total_bytes
+    out["model_state_bytes"] = plan.model_state_bytes
+    out["phase"] = plan.phase
+    out["at_peak"] = dict(plan.at_peak)
+    return out
+
+
+def predicted_scalars(plan: MemoryPlan) -> dict:
+    rec = predicted_record(plan)
+    out = {f"memory/predicted/{k}": v for k, v in rec.items() if isinstance(v, int)}
+    out["memory/predicted/peak_reserved_bytes"] = plan.peak_bytes
+    for part, v in plan.at_peak.items():  # what is alive at the peak, for charts
+        out[f"memory/predicted/at_peak_{part}"] = v
+    return out
+
+
+# What prediction_error_pct compared -> (TensorBoard tag, words for the console): a CPU
+# model-state error is not a GPU peak error, so it never shares the peak's chart.
+PREDICTION_COMPARES = {
+    "peak_reserved": ("memory/prediction_error_pct", "peak reserved, CUDA"),
+    "model_state": ("memory/prediction_error_pct_model_state", "model state only, CPU"),
+}
+
+
+def prediction_error_pct(plan: MemoryPlan, memory_per_rank: list[dict]) -> tuple[float, str]:
+    """(error %, what was compared) against the worst rank.
+
+    On CUDA: predicted peak reserved vs the largest measured `peak_reserved_bytes`. Elsewhere
+    (CPU: RSS holds Python, the data and torch itself, nothing a GPU plan describes): predicted
+    model-state bytes vs the largest measured params + grads + optimizer bytes.
+    """
+    if all("peak_reserved_bytes" in m for m in memory_per_rank):
+        measured = max(m["peak_reserved_bytes"] for m in memory_per_rank)
+        predicted, what = plan.peak_bytes, "peak_reserved"
+    else:
+        measured = max(
+            sum(m.get(k, 0) for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes"))
+            for m in memory_per_rank
+        )
+        predicted, what = plan.model_state_bytes, "model_state"
+    if measured <= 0:
+        return float("nan"), what
+    return 100.0 * (predicted - measured) / measured, what
+
+
+def markdown_breakdown(plan: MemoryPlan, text: str) -> str:
+    """The TensorBoard text summary: a table of the prediction and the sentences."""
+    rows = [
+        ("parameters", plan.params_bytes),
+        ("gradients", plan.grads_bytes),
+        ("optimizer states", plan.optim_bytes),
+        ("activations", plan.activations_bytes),
+        ("transient buffers", plan.transient_bytes),
+        ("overhead (allocator + CUDA context)", plan.overhead_bytes),
+        (f"**peak per GPU** ({plan.phase})", plan.total_bytes),
+    ]
+    table = "| part | predicted |\n|---|---|\n" + "\n".join(
+        f"| {k} | {fmt_bytes(v)} |" for k, v in rows
+    )
+    return table + "\n\n" + text
