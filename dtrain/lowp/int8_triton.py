@@ -326,7 +326,8 @@ def _quantize_rowwise_kernel(
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     # IEEE division (Triton's `/` on fp32 is the approximate div.full), as eager computes it.
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_R,), QMAX, tl.float32))
+    # (127.0 is spelled out: a Triton kernel may read only constexpr globals.)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_R,), 127.0, tl.float32))
     tl.store(scale_ptr + offs_r, scale, mask=r_ok)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -337,7 +338,7 @@ def _quantize_rowwise_kernel(
         if HAS_COL_SCALE:
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
         y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], (BLOCK_R, BLOCK_C))))
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
         tl.store(q_ptrs, y.to(tl.int8), mask=ok)
 
