@@ -348,9 +348,10 @@ def _quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, i
     if rows_contiguous:  # each row is contiguous: sweep along it
         block_c = min(triton.next_power_of_2(c), 2048)
         block_r = min(triton.next_power_of_2(r), max(1, 4096 // block_c))
-    else:  # x is a transposed view: consecutive rows are adjacent in memory
-        block_r = min(triton.next_power_of_2(r), 32)
-        block_c = min(triton.next_power_of_2(c), 128)
+    else:  # x is a transposed view: consecutive rows are adjacent in memory (16 rows: 32-64
+        # contiguous bytes per column, and more programs than 32 would give a short R)
+        block_r = min(triton.next_power_of_2(r), 16)
+        block_c = min(triton.next_power_of_2(c), 256)
     return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
 
 
