@@ -200,7 +200,9 @@ def tuned_configs() -> dict:
     return {k: str(v) for k, v in getattr(_int8_mm_tuned, "cache", {}).items()}
 
 
-def _launch_int8_mm(a, b, out, a_scale, b_scale) -> None:
+def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
+    """Run the GEMM into `out`: autotuned, or with `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages) (tests check every tuned config; the interpreter uses a small one)."""
     m, k = a.shape
     n = b.shape[1]
     dummy = out  # an unused pointer argument when a scale is absent
@@ -225,10 +227,20 @@ def _launch_int8_mm(a, b, out, a_scale, b_scale) -> None:
         "HAS_B_SCALE": b_scale is not None,
         "EVEN_K": k % 128 == 0,
     }
-    if INTERPRET:
-        bm, bn, bk, _, _ = _INTERPRET_CONFIG
+    if INTERPRET or config is not None:
+        bm, bn, bk, warps, stages = _INTERPRET_CONFIG if INTERPRET else config
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _int8_mm_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M)
+        with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+            _int8_mm_kernel[grid](
+                *args,
+                **flags,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                GROUP_M=_GROUP_M,
+                num_warps=warps,
+                num_stages=stages,
+            )
         return
 
     def grid(meta):
