@@ -75,10 +75,11 @@ def test_int8_mm_equals_int_mm_exactly(it, m, n, k):
 @pytest.mark.parametrize("i", range(8))
 def test_every_tuned_config_is_exact(it, i):
     """Autotuning may pick any of them for a shape: each computes the exact product (and the
-    same fused dequantization), K a multiple of 128 as at dtrain's shapes and not."""
+    same fused dequantization). M, N not multiples of the tiles, K one of 128 as at dtrain's
+    shapes (the masked-K path is the small config's, on the odd shapes above)."""
     assert len(it._BIG) == 8  # the parametrization above counts them
     config = it._BIG[i]
-    for m, n, k in [(2048 + 64, 1024 + 48, 1024), (1000, 1000, 1000)]:
+    for m, n, k in [(2048 + 64, 1024 + 48, 1024)]:
         a, b, sa, sb = _operands(m, n, k)
         out = torch.empty(m, n, dtype=torch.int32, device="cuda")
         it._launch_int8_mm(a, b, out, None, None, config=config)
