@@ -5,6 +5,8 @@
 #   OUT=/tmp/out bash bench/lowp.sh single1b   # model=1b, 1 GPU, seq 2048, micro-batch 8
 #   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 2 steps traced each (top ops)
 #   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
+#   OUT=/tmp/out bash bench/lowp.sh int8kernels  # bf16 vs torch._int_mm vs Triton int8: GEMMs,
+#       quantizes and 1b end to end on one GPU (bench/int8_kernels.py; ~5 min on an H100)
 #   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise)
@@ -27,6 +29,7 @@ single1b() {
 case "${1:-}" in
   fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do fsdp8b fsdp8b_$p precision=$p; done ;;
   single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do single1b single1b_$p precision=$p; done ;;
+  int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
       dtrain_run loss${MODEL}_${p}_s${SEED:-1337} 1 precision=$p seed=${SEED:-1337}
@@ -37,5 +40,6 @@ case "${1:-}" in
       $run prof${1#profile}_$p precision=$p profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
-  *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|loss350m" >&2; exit 2 ;;
+  *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2
+     exit 2 ;;
 esac

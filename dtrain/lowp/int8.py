@@ -33,15 +33,36 @@ Operand layouts follow what int8 GEMMs want (cuBLASLt's "TN": first operand row-
 column-major), so no int8 copy is needed except the transpose of xq for grad_weight. Every
 quantize is a row reduction plus a pointwise op, which torch.compile fuses into one kernel
 (including the transposes); eagerly each is a few passes over the tensor.
+
+Two sets of kernels run these matmuls (`select_kernel`, chosen once per process when the layers
+are swapped and logged in one line):
+
+    "triton"  dtrain/lowp/int8_triton.py, on CUDA GPUs of compute capability 9.0+ (Hopper) with
+              Triton installed: int8 wgmma GEMMs with the dequantization (the outer product of
+              the scales and the cast) fused into their epilogue, and, outside torch.compile,
+              a fused quantize kernel (under torch.compile Inductor fuses the quantize into the
+              producer of its input instead). Same numbers as "torch": the integer products are
+              exact and the fp32 dequantization is the same operations in the same order.
+    "torch"   torch._int_mm plus eager (or Inductor-fused) dequantization: portable (CPU, any
+              CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
+
+DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dtrain.errors import ConfigError
+
+log = logging.getLogger("dtrain")
 
 # Symmetric int8: [-127, 127] (not -128, so negation is exact and the grid is symmetric).
 QMAX = 127.0
@@ -51,6 +72,12 @@ MAX_REDUCTION = 131072
 # How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input) or "bf16"
 # (SwitchBack: a matmul in the compute dtype from the dequantized int8 input).
 GRAD_WEIGHT_MODES = ("int8", "bf16")
+# Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
+# (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
+KERNELS = ("triton", "torch")
+KERNEL_ENV = "DTRAIN_INT8_KERNEL"
+# Triton's interpreter runs the Triton kernels on CPU tensors (CPU tests of the kernels).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,37 +133,145 @@ def scaled_int_mm(
     return (int_mm(a, b) * a_scale * b_scale).to(out_dtype)
 
 
+# --- which kernels ------------------------------------------------------------------------------
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_kernel(device: torch.device | str) -> tuple[str, str]:
+    """("triton" or "torch", why) for int8 matmuls on `device`; DTRAIN_INT8_KERNEL can force
+    either (forcing "triton" takes it on any CUDA GPU, e.g. to try it on an A100)."""
+    device = torch.device(device)
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+    if forced not in ("auto", *KERNELS):
+        raise ConfigError(
+            f"{KERNEL_ENV}={forced!r} is not valid; choose auto, {' or '.join(KERNELS)}"
+        )
+    if forced == "torch":
+        return "torch", f"{KERNEL_ENV}=torch"
+    if device.type != "cuda":
+        if _INTERPRET and forced == "triton" and _triton_installed():
+            return "triton", "Triton's interpreter on CPU (TRITON_INTERPRET=1)"
+        return "torch", "no CUDA device"
+    if not _triton_installed():
+        return "torch", "Triton is not installed"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = f"{torch.cuda.get_device_name(device)}, sm{major}{minor}"
+    if forced == "triton":
+        return "triton", f"{name}; forced by {KERNEL_ENV}=triton"
+    if major < 9:
+        return "torch", f"{name}: the Triton int8 kernels are for sm90+ (Hopper)"
+    return "triton", name
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_choice(kernel: str, why: str) -> None:
+    what = "Triton sm90 kernels" if kernel == "triton" else "torch._int_mm"
+    line = f"int8 matmuls: {what} ({why})"
+    if line not in _LOGGED:  # once per process (per distinct choice)
+        _LOGGED.add(line)
+        log.info(line)
+
+
+def _default_device(module: nn.Module) -> torch.device:
+    """Where `module` will run: its parameters' device, or for a model built on the meta device
+    (FSDP builds there) the current CUDA device when there is one."""
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type != "meta":
+        return p.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _triton_ops():
+    from dtrain.lowp import int8_triton  # registers torch.ops.dtrain.*; imports triton
+
+    return int8_triton
+
+
+def _triton_applies(t: torch.Tensor) -> bool:
+    # The Triton kernels need CUDA tensors (or the interpreter); a "triton" layer that meets
+    # CPU tensors (e.g. FSDP built on meta, then run on CPU) takes the portable path.
+    return t.is_cuda or _INTERPRET
+
+
+def _quantize(x: torch.Tensor, kernel: str, col_scale: torch.Tensor | None = None):
+    """quantize_rowwise(x * col_scale) (col_scale (C,) multiplies x's columns; None: x) with the
+    chosen kernels. Under torch.compile the eager code is traced: Inductor fuses it into the
+    producer of x, which an opaque Triton kernel would prevent."""
+    if kernel == "triton" and _triton_applies(x) and not torch.compiler.is_compiling():
+        return _triton_ops().quantize_rowwise(x, col_scale)
+    if col_scale is not None:
+        x = x.float() * col_scale.reshape(1, -1)
+    return quantize_rowwise(x)
+
+
+def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> torch.Tensor:
+    """scaled_int_mm with the chosen kernels (b_scale may be the number 1.0: no scale)."""
+    if not (kernel == "triton" and _triton_applies(a)):
+        return scaled_int_mm(a, a_scale, b, b_scale, out_dtype)
+    ops = _triton_ops()
+    sb = b_scale if isinstance(b_scale, torch.Tensor) else None
+    if sb is None and b_scale != 1.0:
+        raise ValueError(f"b_scale must be a tensor or 1.0, got {b_scale!r}")
+    k = a.shape[1]
+    if k <= MAX_REDUCTION:
+        return ops.int8_mm(a, b, a_scale, sb, out_dtype)
+    # As int_mm: int32 partial products over chunks of the reduction, summed in fp32, then
+    # dequantized (the same operations as the portable path).
+    out = None
+    for s in range(0, k, MAX_REDUCTION):
+        a_part = a[:, s : s + MAX_REDUCTION].contiguous()
+        b_part = b[s : s + MAX_REDUCTION].t().contiguous().t()  # column-major
+        part = ops.int8_mm(a_part, b_part, None, None, torch.float32)
+        out = part if out is None else out + part
+    out = out * a_scale
+    if sb is not None:
+        out = out * sb
+    return out.to(out_dtype)
+
+
+# --- the layer ----------------------------------------------------------------------------------
+
+
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight):
+    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        xq, xs = quantize_rowwise(x2)  # (M, K) int8, (M, 1)
-        wq, ws = quantize_rowwise(weight)  # (N, K) int8, (N, 1)
-        y = scaled_int_mm(xq, xs, wq.t(), ws.t(), out_dtype)  # (M, N)
+        xq, xs = _quantize(x2, kernel)  # (M, K) int8, (M, 1)
+        wq, ws = _quantize(weight, kernel)  # (N, K) int8, (N, 1)
+        y = _scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype, kernel)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The weight is the parameter itself (no copy); the input only as int8 + scales.
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
-        ctx.out_dtype, ctx.int8_grad_weight = out_dtype, int8_grad_weight
+        ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         xq, xs, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        kernel = ctx.kernel
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gq, gs = quantize_rowwise(g)  # per token, over N
-            wtq, wts = quantize_rowwise(weight.t())  # (K, N): per input channel, over N
-            grad_x = scaled_int_mm(gq, gs, wtq.t(), wts.t(), ctx.x_dtype).view(ctx.x_shape)
+            gq, gs = _quantize(g, kernel)  # per token, over N
+            wtq, wts = _quantize(weight.t(), kernel)  # (K, N): per input channel, over N
+            grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.x_dtype, kernel)
+            grad_x = grad_x.view(ctx.x_shape)
         if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
             # Fold the per-token input scales into dy (see the module docstring), then
             # quantize per output channel over the tokens: (N, M) int8, (N, 1).
-            gtq, gts = quantize_rowwise((g.float() * xs).t())
+            gtq, gts = _quantize(g.t(), kernel, col_scale=xs)
             xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
-            grad_w = scaled_int_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype)  # (N, K)
+            grad_w = _scaled_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype, kernel)  # (N, K)
         elif ctx.needs_input_grad[1]:
             # SwitchBack: dequantize the saved input (in fp32, one rounding to the compute
             # dtype) and multiply in the compute dtype, as a bf16 linear's grad_weight does.
@@ -144,12 +279,17 @@ class _Int8LinearFn(torch.autograd.Function):
             grad_w = torch.mm(g.to(ctx.out_dtype).t(), x_deq).to(weight.dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _check_grad_weight(grad_weight: str) -> None:
     if grad_weight not in GRAD_WEIGHT_MODES:
         raise ValueError(f"grad_weight={grad_weight!r}; choose one of {GRAD_WEIGHT_MODES}")
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; choose one of {KERNELS}")
 
 
 def int8_linear(
@@ -158,16 +298,19 @@ def int8_linear(
     bias: torch.Tensor | None = None,
     *,
     grad_weight: str = "int8",
+    kernel: str = "torch",
 ) -> torch.Tensor:
     """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
 
     `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
-    compute dtype from the saved int8 input).
+    compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
+    (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm).
     """
     _check_grad_weight(grad_weight)
+    _check_kernel(kernel)
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8")
+    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel)
 
 
 class Int8Linear(nn.Linear):
@@ -175,14 +318,17 @@ class Int8Linear(nn.Linear):
     nn.Linear it replaces (the swap only changes the class), so DDP, fully_shard, optimizers
     and checkpoints are unaffected."""
 
-    # A plain attribute (set per instance by apply_int8): torch.compile treats it as a constant.
+    # Plain attributes (set per instance by apply_int8): torch.compile treats them as constants.
     grad_weight: str = "int8"
+    kernel: str = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.bias, grad_weight=self.grad_weight)
+        return int8_linear(
+            x, self.weight, self.bias, grad_weight=self.grad_weight, kernel=self.kernel
+        )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, grad_weight={self.grad_weight}"
+        return f"{super().extra_repr()}, grad_weight={self.grad_weight}, kernel={self.kernel}"
 
 
 def apply_int8(
@@ -190,17 +336,27 @@ def apply_int8(
     filter_fn: Callable[[nn.Module, str], bool],
     *,
     grad_weight: str = "int8",
+    kernel: str | None = None,
 ) -> int:
     """Swap, in place, every nn.Linear in `module` for which filter_fn(linear, fqn) holds;
-    `grad_weight` ("int8" or "bf16") is how the swapped layers compute grad_weight.
+    `grad_weight` ("int8" or "bf16") is how the swapped layers compute grad_weight, `kernel`
+    ("triton" or "torch") which kernels run their matmuls: None chooses by the device the
+    module will run on (`select_kernel`) and logs the choice in one line.
 
     Returns the number of layers swapped.
     """
     _check_grad_weight(grad_weight)
+    if kernel is None:
+        kernel, why = select_kernel(_default_device(module))
+        _log_choice(kernel, why)
+    _check_kernel(kernel)
+    if kernel == "triton":
+        _triton_ops()  # import (and register the ops) now, not inside a compiled region
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
             m.__class__ = Int8Linear
             m.grad_weight = grad_weight
+            m.kernel = kernel
             n += 1
     return n

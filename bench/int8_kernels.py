@@ -1,0 +1,546 @@
+"""int8 kernels on one GPU (issue 16): bf16 against torch._int_mm against dtrain's Triton kernels,
+per matmul and end to end, every ratio against the bf16 of the same call.
+
+    python bench/int8_kernels.py --out $OUT            # ~5 min on one H100: both parts
+    python bench/int8_kernels.py --out $OUT --part micro   # the matmuls and quantizes only
+    python bench/int8_kernels.py --out $OUT --part e2e     # the three training runs only
+    python bench/int8_kernels.py --smoke --out /tmp/x  # tiny, on CPU (a test runs it)
+
+1. Matmuls (its own process): for each linear of model=1b (16384 tokens: micro-batch 8 x seq
+   2048) and model=8b (8192 tokens: seq 8192), the forward, grad-input and grad-weight GEMM
+   shapes, timed with triton.testing.do_bench (L2 flushed between runs):
+     bf16        torch.mm in the operand layouts autograd uses for an nn.Linear
+     _int_mm     torch._int_mm + the eager dequantizing multiply (int8.scaled_int_mm)
+     triton      dtrain's Triton int8 GEMM, dequantization fused, bf16 out (autotuned first)
+   and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
+   int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
+   gradients, weights and transposed weights: eager, torch.compile'd, the Triton kernel.
+2. End to end: launch/train.py with model=1b, one GPU, seq 2048, micro-batch 8, synthetic
+   tokens, 40 steps (bench/common.sh's settings; tokens/s is the median of the 10-step
+   intervals after the first, which holds compilation): precision=bf16, precision=int8 with
+   DTRAIN_INT8_KERNEL=triton, and with DTRAIN_INT8_KERNEL=torch; tokens/s, MFU, peak reserved
+   and allocated memory (bench/dtrain_result.py).
+
+Writes OUT/int8_kernels.json (everything, with the device, versions and the configs autotuning
+chose), OUT/int8_kernels.md (the tables) and OUT/e2e_<run>.log. A part that fails is recorded
+as an error and the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Linear layers of a transformer block: name -> (out_features, in_features); d, kv, ffn from
+# conf/model/{1b,8b}.yaml (8b: 8 kv heads of 128 -> k, v are 4096 -> 1024).
+MODELS = {
+    "1b": {
+        "tokens": 16384,
+        "linears": {"q,o": (2048, 2048), "w1,w3": (5632, 2048), "w2": (2048, 5632)},
+    },
+    "8b": {
+        "tokens": 8192,
+        "linears": {
+            "q,o": (4096, 4096),
+            "k,v": (1024, 4096),
+            "w1,w3": (14336, 4096),
+            "w2": (4096, 14336),
+        },
+    },
+}
+SMOKE_MODELS = {"tiny": {"tokens": 128, "linears": {"w1": (96, 64), "w2": (64, 96)}}}
+# bench/common.sh's shared overrides, for model=1b on one GPU
+E2E_COMMON = [
+    "model=1b",
+    "data=synthetic",
+    "trainer.seq_len=2048",
+    "trainer.micro_batch_size=8",
+    "trainer.eval_every=0",
+    "checkpoint.save_final=false",
+    "trainer.progress_bar=false",
+    "optim.warmup_steps=10",
+]
+SMOKE_COMMON = [
+    "model=tiny",
+    "data=synthetic",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=2",
+    "trainer.eval_every=0",
+    "checkpoint.save_final=false",
+    "trainer.progress_bar=false",
+    "optim.warmup_steps=1",
+    "trainer.device=cpu",
+]
+# name -> (precision, DTRAIN_INT8_KERNEL)
+E2E_RUNS = {
+    "bf16": ("bf16", ""),
+    "int8_triton": ("int8", "triton"),
+    "int8_torch": ("int8", "torch"),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- part 1: matmuls and quantizes ------------------------------------------------------------
+
+
+def _timer(device):
+    """ms per call: triton's do_bench on CUDA (median, L2 flushed), a plain loop on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=10, rep=50)
+
+    def cpu_time(fn, n=3):
+        fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e3
+
+    return cpu_time
+
+
+def _try(fn, *args, **kwargs):
+    """fn(*args, **kwargs), or {"error": ...}: a benchmark records failures and goes on."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+        log(f"  error: {msg}")
+        return {"error": msg}
+
+
+def _first_then_time(ms, fn):
+    fn()  # the first call compiles (and for the Triton GEMM autotunes): not timed
+    return ms(fn)
+
+
+def gemm_cases(models: dict) -> list[dict]:
+    """One case per (model, linear, role): the GEMM's (M, N, K) = (rows, cols, reduction)."""
+    cases = []
+    for model, spec in models.items():
+        t = spec["tokens"]
+        for name, (n_out, n_in) in spec["linears"].items():
+            cases += [
+                {"model": model, "linear": name, "role": "forward", "mnk": (t, n_out, n_in)},
+                {"model": model, "linear": name, "role": "grad_input", "mnk": (t, n_in, n_out)},
+                {"model": model, "linear": name, "role": "grad_weight", "mnk": (n_out, n_in, t)},
+            ]
+    return cases
+
+
+def _bf16_operands(role, m, n, k, device):
+    """The bf16 matmul an nn.Linear's autograd runs for `role`, as a closure."""
+    import torch
+
+    bf = {"dtype": torch.bfloat16, "device": device}
+    if role == "forward":  # y = x W^T: x (M, K), W (N, K)
+        x, w = torch.randn(m, k, **bf), torch.randn(n, k, **bf)
+        return lambda: torch.mm(x, w.t())
+    if role == "grad_input":  # dx = dy W: dy (M, K=out), W (out, N=in)
+        dy, w = torch.randn(m, k, **bf), torch.randn(k, n, **bf)
+        return lambda: torch.mm(dy, w)
+    dy, x = torch.randn(k, m, **bf), torch.randn(k, n, **bf)  # dW = dy^T x over K tokens
+    return lambda: torch.mm(dy.t(), x)
+
+
+def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
+    import torch
+
+    from dtrain.lowp import int8 as i8
+
+    ms = _timer(device)
+    seen: dict[tuple, dict] = {}
+    out = []
+    for case in cases:
+        m, n, k = case["mnk"]
+        key = (case["role"], m, n, k)
+        if key not in seen:
+            log(f"gemm {case['model']} {case['linear']} {case['role']} M={m} N={n} K={k}")
+            a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=device)
+            b = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device).t()
+            sa = torch.rand(m, 1, device=device) + 0.01
+            sb = torch.rand(1, n, device=device) + 0.01
+            bf16_mm = _try(_bf16_operands, case["role"], m, n, k, device)
+            res = {
+                "bf16_ms": _try(_first_then_time, ms, bf16_mm),
+                "int_mm_ms": _try(_first_then_time, ms, partial(i8.int_mm, a, b)),
+                "int_mm_dequant_ms": _try(
+                    _first_then_time, ms, partial(i8.scaled_int_mm, a, sa, b, sb, torch.bfloat16)
+                ),
+            }
+            if with_triton:
+                from dtrain.lowp import int8_triton as it
+
+                tri = partial(it.int8_mm, a, b, sa, sb, torch.bfloat16)
+                res["triton_ms"] = _try(_first_then_time, ms, tri)
+            del a, b, bf16_mm
+            seen[key] = res
+        res = dict(seen[key])
+        flop = 2 * m * n * k
+        for v in ("bf16", "int_mm_dequant", "triton"):
+            t = res.get(f"{v}_ms")
+            if isinstance(t, float):
+                res[f"{v}_tflops"] = flop / t / 1e9
+        for v in ("int_mm_dequant", "triton"):
+            if isinstance(res.get(f"{v}_ms"), float) and isinstance(res.get("bf16_ms"), float):
+                res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
+        out.append({**case, **res})
+    return out
+
+
+def _fwd_bwd(linear, x, w, dy):
+    import torch
+
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y = linear(x, w)
+    y.backward(dy)
+
+
+def bench_linears(models, device, with_triton: bool) -> list[dict]:
+    """One linear layer's forward + backward, eagerly, under bf16 autocast."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtrain.lowp import int8 as i8
+
+    ms = _timer(device)
+    model = next(iter(models))
+    t = models[model]["tokens"]
+    out = []
+    for name, (n_out, n_in) in models[model]["linears"].items():
+        log(f"linear {model} {name}: fwd+bwd, {t} tokens, {n_in} -> {n_out}")
+        x = torch.randn(t, n_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(n_out, n_in, device=device) * 0.02).requires_grad_()  # fp32 master
+        dy = torch.randn(t, n_out, device=device, dtype=torch.bfloat16)
+
+        variants = {
+            "bf16": F.linear,
+            "int8_torch": partial(i8.int8_linear, grad_weight="bf16", kernel="torch"),
+        }
+        if with_triton:
+            variants["int8_triton"] = partial(i8.int8_linear, grad_weight="bf16", kernel="triton")
+        res = {"model": model, "linear": name, "tokens": t, "in": n_in, "out": n_out}
+        for v, fn in variants.items():
+            res[f"{v}_ms"] = _try(_first_then_time, ms, partial(_fwd_bwd, fn, x, w, dy))
+        for v in ("int8_torch", "int8_triton"):
+            if isinstance(res.get(f"{v}_ms"), float) and isinstance(res.get("bf16_ms"), float):
+                res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
+        out.append(res)
+    return out
+
+
+def bench_quantize(models, device, with_triton: bool) -> list[dict]:
+    import torch
+
+    from dtrain.lowp import int8 as i8
+
+    torch._dynamo.config.cache_size_limit = 64  # a compile per shape and layout
+    ms = _timer(device)
+    compiled = torch.compile(i8.quantize_rowwise, dynamic=False)
+    cases = []
+    for model, spec in models.items():
+        t = spec["tokens"]
+        n_out, n_in = max(spec["linears"].values(), key=lambda v: v[0] * v[1])
+        cases += [
+            (model, "activation x (bf16)", (t, n_in), torch.bfloat16, False),
+            (model, "activation x (bf16), wide", (t, n_out), torch.bfloat16, False),
+            (model, "weight W (fp32)", (n_out, n_in), torch.float32, False),
+            (model, "weight W^T (fp32, transposed view)", (n_in, n_out), torch.float32, True),
+        ]
+    out = []
+    for model, what, (r, c), dtype, transposed in cases:
+        log(f"quantize {model} {what} {r}x{c}")
+        x = (
+            torch.randn(c, r, device=device, dtype=dtype).t()
+            if transposed
+            else torch.randn(r, c, device=device, dtype=dtype)
+        )
+        res = {"model": model, "tensor": what, "shape": [r, c]}
+        res["eager_ms"] = _try(_first_then_time, ms, partial(i8.quantize_rowwise, x))
+        res["compiled_ms"] = _try(_first_then_time, ms, partial(compiled, x))
+        if with_triton:
+            from dtrain.lowp import int8_triton as it
+
+            res["triton_ms"] = _try(_first_then_time, ms, partial(it.quantize_rowwise, x, None))
+        nbytes = r * c * (x.element_size() + 1) + r * 4  # read x, write q and the scales
+        for v in ("eager", "compiled", "triton"):
+            if isinstance(res.get(f"{v}_ms"), float):
+                res[f"{v}_gb_per_s"] = nbytes / res[f"{v}_ms"] / 1e6
+        out.append(res)
+    return out
+
+
+def part_micro(args) -> dict:
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    models = SMOKE_MODELS if args.smoke else MODELS
+    with_triton = device.type == "cuda"
+    info = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        import triton
+
+        from dtrain.lowp import int8 as i8
+
+        info.update(
+            name=torch.cuda.get_device_name(),
+            capability=list(torch.cuda.get_device_capability()),
+            cuda=torch.version.cuda,
+            triton=triton.__version__,
+            dispatch=list(i8.select_kernel(device)),
+        )
+    log(f"micro: {info}")
+    res = {"info": info}
+    res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
+    res["linears"] = bench_linears(models, device, with_triton)
+    res["quantize"] = bench_quantize(models, device, with_triton)
+    if with_triton:
+        from dtrain.lowp import int8_triton as it
+
+        res["autotuned"] = it.tuned_configs()
+    return res
+
+
+# --- part 2: end to end -----------------------------------------------------------------------
+
+
+def run_e2e(name: str, args, out_dir: Path) -> dict:
+    precision, kernel = E2E_RUNS[name]
+    steps = 4 if args.smoke else args.e2e_steps
+    run_dir = Path(args.run_root) / f"int8k_{name}"
+    cmd = [
+        sys.executable,
+        "launch/train.py",
+        *(SMOKE_COMMON if args.smoke else E2E_COMMON),
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every={2 if args.smoke else 10}",
+        f"precision={precision}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("DTRAIN_INT8_KERNEL", None)
+    if kernel:
+        env["DTRAIN_INT8_KERNEL"] = kernel
+    log(f"e2e {name}: precision={precision} DTRAIN_INT8_KERNEL={kernel or '(unset)'}")
+    t0 = time.perf_counter()
+    log_path = out_dir / f"e2e_{name}.log"
+    with open(log_path, "w") as f:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.e2e_timeout
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = log_path.read_text(errors="replace")
+    res = {
+        "run": name,
+        "precision": precision,
+        "DTRAIN_INT8_KERNEL": kernel or None,
+        "command": " ".join(cmd[1:]),
+        "returncode": rc,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "int8_line": next(iter(re.findall(r"int8 matmuls: .*", text)), None),
+    }
+    if rc != 0:
+        res["error"] = text.strip().splitlines()[-1][:300] if text.strip() else "no output"
+        log(f"  failed ({rc}): {res['error']}")
+        return res
+    sys.path.insert(0, str(ROOT / "bench"))
+    from dtrain_result import summarize
+
+    s = summarize(run_dir)
+    mem = s["memory_per_rank"][0]
+    res.update(
+        tokens_per_s=s["tokens_per_s"],
+        mfu=s["mfu"],
+        intervals=s["intervals"],
+        peak_reserved_gib=mem["peak_reserved_gib"],
+        peak_allocated_gib=mem["peak_allocated_gib"],
+        final_loss=s["final_loss"],
+    )
+    log(f"  {res['tokens_per_s']:.0f} tok/s, peak reserved {mem['peak_reserved_gib']:.2f} GiB")
+    return res
+
+
+def part_e2e(args, out_dir: Path) -> list[dict]:
+    runs = [run_e2e(name, args, out_dir) for name in args.e2e_runs.split(",")]
+    base = next((r for r in runs if r["run"] == "bf16" and "tokens_per_s" in r), None)
+    for r in runs:
+        if base and "tokens_per_s" in r:
+            r["speed_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if base["peak_reserved_gib"]:  # 0 on CPU
+                r["reserved_vs_bf16"] = r["peak_reserved_gib"] / base["peak_reserved_gib"]
+    return runs
+
+
+# --- tables -----------------------------------------------------------------------------------
+
+
+def _f(v, fmt="{:.3f}"):
+    if isinstance(v, (int, float)):
+        return fmt.format(v)
+    return "error" if isinstance(v, dict) else "-"
+
+
+def _cell(ms, rate) -> str:
+    """'ms (rate)', 'error' or '-'."""
+    return f"{ms:.3f} ({rate:.0f})" if isinstance(ms, float) else _f(ms)
+
+
+def render(res: dict) -> str:
+    lines = ["# int8 kernels (bench/int8_kernels.py)", ""]
+    info = res.get("micro", {}).get("info", {})
+    if info:
+        lines += [
+            f"Device: {info.get('name', info.get('device'))}; torch {info.get('torch')}; "
+            f"triton {info.get('triton', '-')}; dispatch: {info.get('dispatch')}",
+            "",
+        ]
+    gemms = res.get("micro", {}).get("gemms", [])
+    if gemms:
+        lines += [
+            "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
+            "",
+            "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
+            "| _int_mm vs bf16 | triton vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for g in gemms:
+            lines.append(
+                f"| {g['model']} | {g['linear']} | {g['role']} | {' '.join(map(str, g['mnk']))} "
+                f"| {_cell(g.get('bf16_ms'), g.get('bf16_tflops'))} "
+                f"| {_cell(g.get('int_mm_dequant_ms'), g.get('int_mm_dequant_tflops'))} "
+                f"| {_cell(g.get('triton_ms'), g.get('triton_tflops'))} "
+                f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} |"
+            )
+        lines.append("")
+    lins = res.get("micro", {}).get("linears", [])
+    if lins:
+        lines += [
+            "## One linear, forward + backward, eager (ms; SwitchBack grad-weight in bf16)",
+            "",
+            "| model | linear | tokens x in -> out | bf16 | int8 torch._int_mm | int8 triton "
+            "| torch vs bf16 | triton vs bf16 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in lins:
+            lines.append(
+                f"| {r['model']} | {r['linear']} | {r['tokens']} x {r['in']} -> {r['out']} "
+                f"| {_f(r.get('bf16_ms'))} | {_f(r.get('int8_torch_ms'))} "
+                f"| {_f(r.get('int8_triton_ms'))} "
+                f"| {_f(r.get('int8_torch_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(r.get('int8_triton_speedup_vs_bf16'), '{:.2f}x')} |"
+            )
+        lines.append("")
+    quant = res.get("micro", {}).get("quantize", [])
+    if quant:
+        lines += [
+            "## Row-wise quantize (ms; GB/s of x read + q and scales written)",
+            "",
+            "| model | tensor | R x C | eager | torch.compile | triton |",
+            "|---|---|---|---|---|---|",
+        ]
+        for q in quant:
+            lines.append(
+                f"| {q['model']} | {q['tensor']} | {q['shape'][0]} x {q['shape'][1]} "
+                + "".join(
+                    f"| {_cell(q.get(f'{v}_ms'), q.get(f'{v}_gb_per_s'))} "
+                    for v in ("eager", "compiled", "triton")
+                )
+                + "|"
+            )
+        lines.append("")
+    e2e = res.get("e2e", [])
+    if e2e:
+        lines += [
+            "## End to end: model=1b, 1 GPU, seq 2048, micro-batch 8, synthetic tokens",
+            "",
+            "| run | tokens/s | vs bf16 | MFU | peak reserved GiB | vs bf16 | peak allocated GiB "
+            "| int8 path logged |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in e2e:
+            if "tokens_per_s" not in r:
+                lines.append(f"| {r['run']} | failed: {r.get('error')} | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['run']} | {r['tokens_per_s']:,.0f} "
+                f"| {_f(r.get('speed_vs_bf16'), '{:.3f}x')} "
+                f"| {_f(r.get('mfu'), '{:.1%}')} | {r['peak_reserved_gib']:.2f} "
+                f"| {_f(r.get('reserved_vs_bf16'), '{:.3f}x')} | {r['peak_allocated_gib']:.2f} "
+                f"| {r.get('int8_line') or ''} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _write(out_dir: Path, res: dict) -> None:
+    """After every part: a call cut short still leaves what it measured."""
+    tmp = out_dir / "int8_kernels.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    tmp.replace(out_dir / "int8_kernels.json")
+    (out_dir / "int8_kernels.md").write_text(render(res))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    p.add_argument("--part", choices=["all", "micro", "e2e"], default="all")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and model, on CPU")
+    p.add_argument("--e2e-steps", type=int, default=40)
+    p.add_argument("--e2e-runs", default=",".join(E2E_RUNS))
+    p.add_argument("--e2e-timeout", type=int, default=300, help="seconds per training run")
+    p.add_argument("--run-root", default="/tmp/runs")
+    p.add_argument("--micro-json", type=Path, help=argparse.SUPPRESS)  # the micro child's output
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    if args.micro_json:  # the child process of part 1
+        args.micro_json.write_text(json.dumps(part_micro(args), default=str))
+        return
+
+    res: dict = {"argv": sys.argv[1:]}
+    if args.part in ("all", "micro"):
+        # In its own process: the training runs that follow get a GPU with nothing else on it.
+        child = args.out / "micro.json"
+        cmd = [sys.executable, __file__, "--out", str(args.out), "--micro-json", str(child)]
+        cmd += ["--smoke"] if args.smoke else []
+        log("part 1: matmuls and quantizes")
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=900).returncode
+        if rc == 0 and child.exists():
+            res["micro"] = json.loads(child.read_text())
+            child.unlink()
+        else:
+            res["micro"] = {"error": f"the micro benchmark exited with {rc}"}
+        _write(args.out, res)
+    if args.part in ("all", "e2e"):
+        log("part 2: end to end")
+        res["e2e"] = part_e2e(args, args.out)
+        _write(args.out, res)
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    _write(args.out, res)
+    print(render(res), flush=True)
+    log(f"done in {res['wall_s']:.0f} s: {args.out / 'int8_kernels.json'}")
+
+
+if __name__ == "__main__":
+    main()

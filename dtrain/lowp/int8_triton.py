@@ -1,0 +1,414 @@
+"""Triton kernels for precision=int8 on Hopper: an int8 GEMM with the dequantization fused into
+its epilogue, and a one-pass-per-tile row-wise quantize.
+
+`torch._int_mm` reaches Hopper's int8 tensor cores through CUTLASS's sm80 kernels (mma.sync);
+Triton lowers an int8 `tl.dot` to wgmma on sm90 (MMAv3: int8 operands, int32 accumulation,
+BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kernels are for.
+
+    int8_mm(a, b, a_scale, b_scale, out_dtype)
+        a (M, K) int8, b (K, N) int8 given column-major (the transpose of an (N, K) row-major
+        tensor: both operands K-major, the layout int8 wgmma reads), a_scale (M,) and b_scale
+        (N,) fp32 or None. Returns (M, N) in out_dtype:
+            out = float32(a @ b) * a_scale[:, None] * b_scale[None, :]
+        the same fp32 operations, in the same order, as `torch._int_mm(a, b) * sa * sb` (so
+        the result is bitwise equal to the eager path), without the int32 product ever
+        reaching memory. out_dtype=int32 without scales returns the integer product itself.
+    quantize_rowwise(x, col_scale)
+        x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
+        Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
+        of each row / 127, then round-half-to-even and clamp to [-127, 127], in IEEE fp32 as
+        `dtrain.lowp.int8.quantize_rowwise` computes them (bitwise equal results).
+
+Shapes: any M, N, K. Rows and columns past the edges are masked (loads wrap around inside
+the tensor, stores are masked); a K that is not a multiple of BLOCK_K masks its last tile with
+zeros, which add nothing to the dot products. Nothing is padded or copied. Strides need no
+alignment: Triton specialises on 16-byte-aligned ones and takes narrower loads otherwise
+(correct, slower: dtrain's shapes are all multiples of 128). Offsets are 64-bit, so tensors
+larger than 2**31 elements are fine; K above int8.MAX_REDUCTION is chunked by the caller so the
+int32 accumulator cannot overflow.
+
+Both are `torch.library.custom_op`s (dtrain::int8_mm, dtrain::int8_quantize_rowwise) with fake
+implementations: torch.compile keeps each as one opaque call in its graph (no graph break),
+and autotuning happens at run time on the first call of each shape. With TRITON_INTERPRET=1
+(set before this module is imported) the kernels run on CPU tensors in Triton's interpreter,
+one fixed small configuration instead of autotuning (CPU tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.0 dispatches libdevice per backend here
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older layouts
+    from triton.language.extra.cuda import libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+QMAX = 127.0
+
+# --- the GEMM ---------------------------------------------------------------------------------
+
+# Hopper-typical tiles (H100/H200: 228 KB of shared memory per SM, 64K registers). Shared memory
+# per stage is (BLOCK_M + BLOCK_N) * BLOCK_K bytes; the int32 accumulator takes
+# BLOCK_M * BLOCK_N / (32 * num_warps) registers per thread (128 for the big tiles).
+# Every BLOCK_K divides 128, so `K % 128 == 0` says no config needs the K mask (EVEN_K).
+_BIG = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (128, 256, 128, 8, 3),
+    (128, 256, 64, 8, 4),
+    (256, 128, 128, 8, 3),
+    (256, 128, 64, 8, 4),
+    (128, 128, 128, 8, 4),
+    (128, 128, 128, 4, 4),
+    (128, 128, 64, 4, 5),
+    (64, 256, 128, 4, 4),
+]
+# Problems below this many multiply-adds (tests' odd shapes, tiny layers) get one config and no
+# tuning: autotuning them would cost more compile time than it could ever save.
+_SMALL_WORK = 2**30
+_SMALL = (64, 64, 64, 4, 3)
+_INTERPRET_CONFIG = (32, 32, 32, 4, 1)  # the interpreter runs tiles in numpy: keep them small
+_GROUP_M = 8
+
+
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+_BIG_CONFIGS = [_config(*c) for c in _BIG]
+_SMALL_CONFIG = _config(*_SMALL)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Small problems: only the small config (it is in the list for exactly this)."""
+    if named_args["M"] * named_args["N"] * named_args["K"] < _SMALL_WORK:
+        return [c for c in configs if c is _SMALL_CONFIG]
+    return [c for c in configs if c is not _SMALL_CONFIG]
+
+
+@triton.jit
+def _int8_mm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    HAS_A_SCALE: tl.constexpr,
+    HAS_B_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M tile-rows share the same B columns while they are in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows/columns past the edge read row/column (i mod M) instead: always in bounds, no mask
+    # in the loop; their results are dropped by the masked store.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue: dequantize in fp32 exactly as eager does, (float(acc) * sa) * sb, then cast.
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if HAS_A_SCALE or HAS_B_SCALE:
+        out = acc.to(tl.float32)
+        if HAS_A_SCALE:
+            sa = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
+            out = out * sa[:, None]
+        if HAS_B_SCALE:
+            sb = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
+            out = out * sb[None, :]
+    else:
+        out = acc
+    c_ptrs = (
+        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    )
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _bench_or_skip(kernel_call, quantiles):
+    """Autotuning's timer, shorter than Triton's default (25 + 100 ms a config), and a config
+    that fails to compile is skipped (timed as infinite) rather than failing the run."""
+    try:
+        return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+    except Exception as e:  # noqa: BLE001 - any compile failure of one config
+        if "out of memory" in str(e) or "illegal" in str(e):
+            raise
+        return [float("inf")] * len(quantiles)
+
+
+_tune_kwargs: dict = {}
+if "do_bench" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
+    _tune_kwargs["do_bench"] = _bench_or_skip
+_int8_mm_tuned = triton.autotune(
+    configs=[*_BIG_CONFIGS, _SMALL_CONFIG],
+    key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": _prune},
+    **_tune_kwargs,
+)(_int8_mm_kernel)
+
+
+def tuned_configs() -> dict:
+    """{(M, N, K, dtypes...): the config autotuning chose} so far in this process."""
+    return {k: str(v) for k, v in getattr(_int8_mm_tuned, "cache", {}).items()}
+
+
+def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
+    """Run the GEMM into `out`: autotuned, or with `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages) (tests check every tuned config; the interpreter uses a small one)."""
+    m, k = a.shape
+    n = b.shape[1]
+    dummy = out  # an unused pointer argument when a scale is absent
+    args = (
+        a,
+        b,
+        out,
+        a_scale if a_scale is not None else dummy,
+        b_scale if b_scale is not None else dummy,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+    )
+    flags = {
+        "HAS_A_SCALE": a_scale is not None,
+        "HAS_B_SCALE": b_scale is not None,
+        "EVEN_K": k % 128 == 0,
+    }
+    if INTERPRET or config is not None:
+        bm, bn, bk, warps, stages = _INTERPRET_CONFIG if INTERPRET else config
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+            _int8_mm_kernel[grid](
+                *args,
+                **flags,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                GROUP_M=_GROUP_M,
+                num_warps=warps,
+                num_stages=stages,
+            )
+        return
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    with torch.cuda.device(a.device):
+        _int8_mm_tuned[grid](*args, **flags)
+
+
+def _check_mm(a, b, a_scale, b_scale, out_dtype) -> None:
+    if a.dtype != torch.int8 or b.dtype != torch.int8 or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"int8_mm takes 2-d int8 operands, got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"int8_mm: shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
+    if out_dtype == torch.int32 and (a_scale is not None or b_scale is not None):
+        raise ValueError("int8_mm: out_dtype=int32 is the integer product, without scales")
+    for s, n, name in ((a_scale, a.shape[0], "a_scale"), (b_scale, b.shape[1], "b_scale")):
+        if s is not None and (s.dtype != torch.float32 or s.numel() != n):
+            raise ValueError(
+                f"int8_mm: {name} must be {n} fp32 values, got {s.dtype} {tuple(s.shape)}"
+            )
+
+
+@torch.library.custom_op(
+    "dtrain::int8_mm",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor? a_scale, Tensor? b_scale, ScalarType out_dtype) -> Tensor",
+)
+def int8_mm(a, b, a_scale, b_scale, out_dtype):
+    _check_mm(a, b, a_scale, b_scale, out_dtype)
+    m, n = a.shape[0], b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    sa = a_scale.reshape(-1).contiguous() if a_scale is not None else None
+    sb = b_scale.reshape(-1).contiguous() if b_scale is not None else None
+    _launch_int8_mm(a, b, out, sa, sb)
+    return out
+
+
+@int8_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+# --- the row-wise quantize --------------------------------------------------------------------
+
+if INTERPRET:
+
+    @triton.jit
+    def _rint(x):
+        # The interpreter has no libdevice. Adding 1.5 * 2**23 leaves no fraction bits in fp32,
+        # so numpy's IEEE add rounds x half-to-even (|x| <= 127 here); subtracting is exact.
+        return (x + 12582912.0) - 12582912.0
+
+else:
+
+    @triton.jit
+    def _rint(x):
+        return libdevice.rint(x)  # round half to even, as torch.round
+
+
+@triton.jit
+def _quantize_rowwise_kernel(
+    x_ptr,
+    col_scale_ptr,
+    q_ptr,
+    scale_ptr,
+    R,
+    C,
+    stride_xr,
+    stride_xc,
+    HAS_COL_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program per BLOCK_R rows: the abs-max over the row in one sweep, then a second
+    # sweep (mostly from L2) to round and store. Tiles are 2-d, so rows that are strided in
+    # memory (x a transposed view: stride_xr == 1) still load coalesced along the rows.
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    rows = offs_r.to(tl.int64)
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        ok = r_ok[:, None] & c_ok[None, :]
+        ptrs = x_ptr + rows[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc
+        v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    # IEEE division (Triton's `/` on fp32 is the approximate div.full), as eager computes it.
+    # (127.0 is spelled out: a Triton kernel may read only constexpr globals.)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_R,), 127.0, tl.float32))
+    tl.store(scale_ptr + offs_r, scale, mask=r_ok)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        ok = r_ok[:, None] & c_ok[None, :]
+        ptrs = x_ptr + rows[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc
+        v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
+        y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], (BLOCK_R, BLOCK_C))))
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
+        tl.store(q_ptrs, y.to(tl.int8), mask=ok)
+
+
+def _quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps): tiles of 4096 values, long along the contiguous axis."""
+    if rows_contiguous:  # each row is contiguous: sweep along it
+        block_c = min(triton.next_power_of_2(c), 2048)
+        block_r = min(triton.next_power_of_2(r), max(1, 4096 // block_c))
+    else:  # x is a transposed view: consecutive rows are adjacent in memory (16 rows: 32-64
+        # contiguous bytes per column, and more programs than 32 would give a short R)
+        block_r = min(triton.next_power_of_2(r), 16)
+        block_c = min(triton.next_power_of_2(c), 256)
+    return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
+
+
+@torch.library.custom_op(
+    "dtrain::int8_quantize_rowwise",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? col_scale) -> (Tensor, Tensor)",
+)
+def quantize_rowwise(x, col_scale):
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"quantize_rowwise takes a 2-d float tensor, got {x.dtype} {x.shape}")
+    r, c = x.shape
+    q = torch.empty((r, c), dtype=torch.int8, device=x.device)
+    scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
+    if r == 0:
+        return q, scale
+    if c == 0:
+        return q, scale.fill_(1e-12 / QMAX)
+    cs = col_scale.reshape(-1).float().contiguous() if col_scale is not None else None
+    if cs is not None and cs.numel() != c:
+        raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
+    rows_contiguous = x.stride(1) == 1 or c == 1 or x.stride(0) != 1
+    block_r, block_c, warps = _quantize_blocks(r, c, rows_contiguous)
+    if INTERPRET:
+        block_r, block_c = min(block_r, 16), min(block_c, 64)
+    grid = (triton.cdiv(r, block_r),)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _quantize_rowwise_kernel[grid](
+            x,
+            cs if cs is not None else scale,
+            q,
+            scale,
+            r,
+            c,
+            x.stride(0),
+            x.stride(1),
+            HAS_COL_SCALE=cs is not None,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
+    return q, scale
+
+
+@quantize_rowwise.register_fake
+def _(x, col_scale):
+    r, c = x.shape
+    return x.new_empty((r, c), dtype=torch.int8), x.new_empty((r, 1), dtype=torch.float32)

@@ -1,0 +1,202 @@
+"""The Triton int8 kernels on a CUDA GPU (marked `gpu`; skipped without CUDA or Triton).
+
+What they compute, against the portable path: the int32 products equal torch._int_mm's exactly
+(odd shapes and dtrain's 1b/8b shapes), the fused dequantization and the quantize are the eager
+path's fp32 operations bit for bit, and a training step of int8 linears on the Triton kernels
+matches one on torch._int_mm (eagerly: bit for bit; under torch.compile: closely, Inductor's
+quantize divides with a different rounding). On sm90+ the dispatch takes the Triton kernels.
+
+    python -m pytest -q tests/gpu/test_int8_kernels.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.lowp import int8 as i8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+# (M, N, K): odd ones (not multiples of 16/64/128, one row, K=16), then dtrain's layers:
+# 1b (d 2048, ffn 5632, 16384 tokens) and 8b (d 4096, kv 1024, ffn 14336, 8192 tokens).
+ODD = [(33, 70, 100), (1, 1, 16), (257, 129, 64), (17, 8, 300), (1000, 1000, 1000), (130, 200, 72)]
+LARGE = [(16384, 5632, 2048), (16384, 2048, 5632), (8192, 1024, 4096), (4096, 14336, 4096)]
+
+
+@pytest.fixture(scope="module")
+def it():
+    from dtrain.lowp import int8_triton
+
+    assert not int8_triton.INTERPRET, "unset TRITON_INTERPRET for the GPU tests"
+    return int8_triton
+
+
+def _operands(m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g).t()
+    sa = torch.rand(m, 1, device="cuda", generator=g) + 0.01
+    sb = torch.rand(1, n, device="cuda", generator=g) + 0.01
+    return a, b, sa, sb
+
+
+def test_sm90_takes_the_triton_kernels(monkeypatch, caplog):
+    monkeypatch.delenv(i8.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(i8, "_LOGGED", set())
+    kernel, why = i8.select_kernel("cuda")
+    if torch.cuda.get_device_capability() < (9, 0):
+        assert kernel == "torch" and "sm90+" in why
+        pytest.skip(f"not Hopper: {why}")
+    assert kernel == "triton", why
+    model = nn.Sequential(nn.Linear(64, 64)).cuda()
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        i8.apply_int8(model, lambda m, n: True)
+    assert model[0].kernel == "triton"
+    lines = [r.getMessage() for r in caplog.records if "int8 matmuls" in r.getMessage()]
+    assert lines == [f"int8 matmuls: Triton sm90 kernels ({why})"]
+
+
+@pytest.mark.parametrize("m,n,k", ODD + LARGE)
+def test_int8_mm_equals_int_mm_exactly(it, m, n, k):
+    a, b, _, _ = _operands(m, n, k)
+    out = it.int8_mm(a, b, None, None, torch.int32)
+    assert torch.equal(out, i8.int_mm(a, b))  # torch._int_mm, zero-padded where CUDA needs it
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_every_tuned_config_is_exact(it, i):
+    """Autotuning may pick any of them for a shape: each computes the exact product (and the
+    same fused dequantization). M, N not multiples of the tiles, K one of 128 as at dtrain's
+    shapes (the masked-K path is the small config's, on the odd shapes above)."""
+    assert len(it._BIG) == 8  # the parametrization above counts them
+    config = it._BIG[i]
+    for m, n, k in [(2048 + 64, 1024 + 48, 1024)]:
+        a, b, sa, sb = _operands(m, n, k)
+        out = torch.empty(m, n, dtype=torch.int32, device="cuda")
+        it._launch_int8_mm(a, b, out, None, None, config=config)
+        assert torch.equal(out, i8.int_mm(a, b)), (m, n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        it._launch_int8_mm(a, b, out, sa.reshape(-1), sb.reshape(-1), config=config)
+        assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (m, n, k)
+
+
+def test_int8_mm_full_scale_values_are_exact(it):
+    a = torch.full((256, 4096), -127, dtype=torch.int8, device="cuda")
+    b = torch.full((384, 4096), 127, dtype=torch.int8, device="cuda").t()
+    assert (it.int8_mm(a, b, None, None, torch.int32) == -127 * 127 * 4096).all()
+
+
+@pytest.mark.parametrize(
+    "m,n,k,out_dtype",
+    [(*s, dt) for s in ODD for dt in (torch.float32, torch.bfloat16)]
+    + [(*s, torch.bfloat16) for s in LARGE[:2]],  # (each new case compiles 8 configs: few)
+)
+def test_fused_dequantization_is_the_eager_arithmetic(it, m, n, k, out_dtype):
+    """(float(acc) * sa) * sb, then one rounding to out_dtype: the same operations in the same
+    order as int8.scaled_int_mm, so the same bits."""
+    a, b, sa, sb = _operands(m, n, k)
+    ref = i8.scaled_int_mm(a, sa, b, sb, out_dtype)
+    out = it.int8_mm(a, b, sa, sb, out_dtype)
+    assert out.dtype == out_dtype
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
+    if m * n * k < 2**30:  # one scale (int8 grad-weight's): odd shapes only, as said above
+        ref1 = i8.scaled_int_mm(a, sa, b, 1.0, out_dtype)
+        assert torch.equal(it.int8_mm(a, b, sa, None, out_dtype), ref1)
+    # and close to the float reference (float64 product of the dequantized operands)
+    exact = (a.double() * sa.double()) @ (b.double() * sb.double())
+    torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "r,c", [(33, 100), (1, 1), (257, 129), (16384, 2048), (2048, 5632), (5, 14336)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rowwise_equals_eager_bitwise(it, r, c, dtype):
+    g = torch.Generator(device="cuda").manual_seed(r + c)
+    x = (torch.randn(r, c, device="cuda", generator=g) * 3).to(dtype)
+    if r > 2 and c > 6:
+        x[1] = 0.0
+        x[2, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5], dtype=dtype)
+        x[2, 6:] = 0.0
+    for name, v in {"row-major": x, "transposed view": x.t().contiguous().t()}.items():
+        q, s = it.quantize_rowwise(v, None)
+        qe, se = i8.quantize_rowwise(v)
+        assert torch.equal(s, se), name
+        assert torch.equal(q, qe), (name, (q.int() - qe.int()).abs().max().item())
+    cs = torch.rand(c, device="cuda", generator=g) + 0.1
+    q, s = it.quantize_rowwise(x, cs)
+    qe, se = i8.quantize_rowwise(x.float() * cs)
+    assert torch.equal(q, qe) and torch.equal(s, se)
+
+
+def test_long_reductions_are_chunked_exactly(monkeypatch):
+    monkeypatch.setattr(i8, "MAX_REDUCTION", 256)
+    a, b, sa, sb = _operands(300, 200, 1000)
+    for s in (sb, 1.0):
+        out = i8._scaled_mm(a, sa, b, s, torch.float32, "triton")
+        assert torch.equal(out, i8.scaled_int_mm(a, sa, b, s, torch.float32))
+
+
+def _mlp(d=256, ffn=704, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d, ffn, bias=False), nn.SiLU(), nn.Linear(ffn, d, bias=False)
+    ).cuda()
+
+
+def _train(model, steps=3, compile=False):
+    """AdamW steps under bf16 autocast: the losses, and the first step's output and grads."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fn = torch.compile(model) if compile else model
+    g = torch.Generator(device="cuda").manual_seed(0)
+    losses, first = [], None
+    for _ in range(steps):
+        x = torch.randn(8, 200, 256, device="cuda", generator=g).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(x)
+            loss = (y.float() - x.detach()).pow(2).mean()
+        loss.backward()
+        if first is None:
+            first = [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first
+
+
+@pytest.mark.parametrize("grad_weight", ["bf16", "int8"])
+def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight):
+    ref, tri = _mlp(), _mlp()
+    i8.apply_int8(ref, lambda m, n: True, grad_weight=grad_weight, kernel="torch")
+    i8.apply_int8(tri, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
+    loss_r, first_r = _train(ref)
+    loss_t, first_t = _train(tri)
+    for name, r, t in zip(["y", "dx", "dw1", "dw2"], first_r, first_t, strict=True):
+        assert torch.equal(r, t), (name, (r.float() - t.float()).abs().max().item())
+    torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-5, atol=0)
+
+
+def test_compiled_training_steps_match_the_portable_path():
+    """torch.compile: Triton GEMMs (opaque custom ops) and Inductor's fused quantize, against
+    the eager portable path: close, not equal (Inductor fuses the quantize into its producer
+    without rounding that to bf16 first, and divides with its own rounding: the int8 values
+    move by one step here and there, about the size of int8's own rounding)."""
+    torch._dynamo.reset()
+    ref, tri = _mlp(), _mlp()
+    i8.apply_int8(ref, lambda m, n: True, grad_weight="bf16", kernel="torch")
+    i8.apply_int8(tri, lambda m, n: True, grad_weight="bf16", kernel="triton")
+    loss_r, first_r = _train(ref)
+    loss_t, first_t = _train(tri, compile=True)
+    for name, r, t in zip(["y", "dx", "dw1", "dw2"], first_r, first_t, strict=True):
+        rel = ((t.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 5e-2, (name, rel)
+    torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-2, atol=0)

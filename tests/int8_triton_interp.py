@@ -1,0 +1,238 @@
+"""The Triton int8 kernels on CPU, in Triton's interpreter: what they compute, bit for bit.
+
+Not collected by the default run (no test_ prefix): tests/test_int8_triton.py runs this file in
+a subprocess with TRITON_INTERPRET=1, which must be set before the kernels are defined (the
+GPU tests in the same session need them compiled).
+
+One difference from the GPU, by the interpreter: it casts fp32 to bf16 by truncation where the
+GPU rounds to nearest even, so bf16 outputs are compared within one bf16 step here and bit for
+bit in tests/gpu/test_int8_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_int8_triton.py"
+
+from dtrain.lowp import int8 as i8  # noqa: E402
+from dtrain.lowp import int8_triton as it  # noqa: E402
+
+# (M, N, K): not multiples of 16/32/64; a single row/column; K a multiple of 128 (EVEN_K).
+SHAPES = [(33, 70, 100), (1, 1, 16), (257, 129, 64), (17, 8, 300), (64, 96, 256), (5, 3, 1)]
+
+
+def _operands(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).t()  # column-major
+    sa = torch.rand(m, 1, generator=g) + 0.01
+    sb = torch.rand(1, n, generator=g) + 0.01
+    return a, b, sa, sb
+
+
+def _bf16_step_apart(x: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Equal, or one bf16 step apart (the interpreter truncates where the GPU rounds)."""
+    diff = (x.float() - ref.float()).abs()
+    return bool((diff <= ref.float().abs() * 2**-7 + 1e-30).all())
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.long() @ b.long()).int()  # int64 accumulation: the ground truth
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_mm_equals_int_mm(m, n, k):
+    a, b, _, _ = _operands(m, n, k)
+    out = it.int8_mm(a, b, None, None, torch.int32)
+    assert torch.equal(out, _exact(a, b))
+    if k > 1:  # CPU _int_mm misreads a (1, N) operand whose strides are (1, 1)
+        assert torch.equal(out, torch._int_mm(a, b))
+
+
+def test_int8_mm_full_scale_values_are_exact():
+    a = torch.full((40, 300), -127, dtype=torch.int8)
+    b = torch.full((24, 300), 127, dtype=torch.int8).t()
+    out = it.int8_mm(a, b, None, None, torch.int32)
+    assert (out == -127 * 127 * 300).all()
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_mm_dequantizes_as_eager_does(m, n, k):
+    a, b, sa, sb = _operands(m, n, k)
+    ref = _exact(a, b) * sa * sb  # as int8.scaled_int_mm computes it from _int_mm's product
+    assert torch.equal(it.int8_mm(a, b, sa, sb, torch.float32), ref)
+    # one scale only (int8 grad_weight's: the other is folded into the quantized operand)
+    assert torch.equal(it.int8_mm(a, b, sa, None, torch.float32), _exact(a, b) * sa)
+    assert _bf16_step_apart(it.int8_mm(a, b, sa, sb, torch.bfloat16), ref.bfloat16())
+    assert it.int8_mm(a, b, sa, sb, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_int8_mm_takes_any_strides():
+    a, b, sa, sb = _operands(50, 40, 72)
+    ref = torch._int_mm(a, b) * sa * sb
+    b_rowmajor = b.contiguous()  # (K, N) row-major: correct, if not the fast layout
+    assert torch.equal(it.int8_mm(a, b_rowmajor, sa, sb, torch.float32), ref)
+    wide = torch.zeros(50, 100, dtype=torch.int8)
+    wide[:, 10:82] = a  # a strided view into a wider buffer
+    assert torch.equal(it.int8_mm(wide[:, 10:82], b, sa, sb, torch.float32), ref)
+
+
+def test_int8_mm_rejects_what_it_cannot_compute():
+    a, b, sa, sb = _operands(8, 8, 32)
+    with pytest.raises(ValueError, match="do not chain"):
+        it.int8_mm(a, b[:16], None, None, torch.int32)
+    with pytest.raises(ValueError, match="without scales"):
+        it.int8_mm(a, b, sa, None, torch.int32)
+    with pytest.raises(ValueError, match="2-d int8"):
+        it.int8_mm(a.float(), b, None, None, torch.float32)
+
+
+def _quantize_inputs(r, c, dtype):
+    g = torch.Generator().manual_seed(r * 1000 + c)
+    x = (torch.randn(r, c, generator=g) * 3).to(dtype)
+    if r > 2 and c > 6:
+        x[1] = 0.0  # an all-zero row: scale 1e-12/127, q = 0
+        # A row whose scale is exactly 1: x/scale lands on .5 ties, rounded half to even.
+        x[2, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5], dtype=dtype)
+        x[2, 6:] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("r,c", [(33, 100), (1, 1), (257, 129), (5, 700)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rowwise_equals_eager_bitwise(r, c, dtype):
+    x = _quantize_inputs(r, c, dtype)
+    views = {
+        "row-major": x,
+        "transposed view": x.t().contiguous().t(),  # what weight.t() is
+        "strided": torch.cat([x, x], dim=1)[:, ::2],
+    }
+    for name, v in views.items():
+        q, s = it.quantize_rowwise(v, None)
+        qe, se = i8.quantize_rowwise(v)
+        assert torch.equal(s, se), name
+        assert torch.equal(q, qe), name
+        assert q.is_contiguous() and s.shape == (r, 1)
+    if r > 2 and c > 6:
+        q, s = it.quantize_rowwise(x, None)
+        assert s[2].item() == 1.0
+        assert q[2, :6].tolist() == [127, 0, 2, 2, 0, -2]  # half to even, as torch.round
+
+
+def test_quantize_rowwise_with_column_scales():
+    """int8 grad_weight quantizes (dy * s_x)^T: dy^T with per-column (token) scales."""
+    g = torch.randn(64, 40)
+    xs = torch.rand(64, 1) + 0.1
+    q, s = it.quantize_rowwise(g.t(), xs.reshape(-1))
+    qe, se = i8.quantize_rowwise((g.float() * xs).t())
+    assert torch.equal(q, qe) and torch.equal(s, se)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+def test_int8_linear_triton_equals_torch(grad_weight):
+    """Forward, grad_input and grad_weight: the Triton path computes the portable path's
+    numbers bit for bit (fp32 outputs; int32 products are exact, the dequantization is the
+    same fp32 operations)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 11, 70, requires_grad=True)
+    w = torch.randn(45, 70, requires_grad=True)
+    b = torch.randn(45, requires_grad=True)
+    results = {}
+    for kernel in ("torch", "triton"):
+        x.grad = w.grad = b.grad = None
+        with CountOps() as ops:
+            y = i8.int8_linear(x, w, b, grad_weight=grad_weight, kernel=kernel)
+            y.pow(2).sum().backward()
+        results[kernel] = [y.detach(), x.grad.clone(), w.grad.clone(), b.grad.clone()]
+        if kernel == "triton":
+            n_mm = 3 if grad_weight == "int8" else 2
+            assert ops.names.count("int8_mm") == n_mm and "_int_mm" not in ops.names
+            # x and w forward, dy and w^T for grad_input, (dy s_x)^T for int8 grad_weight
+            assert ops.names.count("int8_quantize_rowwise") == n_mm + 2
+    for name, r, t in zip(("y", "dx", "dw", "db"), results["torch"], results["triton"]):
+        assert torch.equal(r, t), name
+
+
+def test_autocast_bf16_outputs_within_a_bf16_step():
+    torch.manual_seed(1)
+    x = torch.randn(40, 96)
+    w = torch.randn(72, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_t = i8.int8_linear(x, w, kernel="triton")
+        y_r = i8.int8_linear(x, w, kernel="torch")
+    assert y_t.dtype == y_r.dtype == torch.bfloat16
+    assert _bf16_step_apart(y_t, y_r)
+
+
+def test_long_reductions_are_chunked_as_the_portable_path_does(monkeypatch):
+    monkeypatch.setattr(i8, "MAX_REDUCTION", 32)
+    a, b, sa, sb = _operands(5, 7, 100)
+    for s in (sb, 1.0):
+        out = i8._scaled_mm(a, sa, b, s, torch.float32, "triton")
+        assert torch.equal(out, i8.scaled_int_mm(a, sa, b, s, torch.float32))
+    full = torch.full((4, 96), 127, dtype=torch.int8)
+    exact = full.double() @ full.t().double()
+    got = i8._scaled_mm(full, torch.ones(4, 1), full.t(), 1.0, torch.float64, "triton")
+    assert torch.equal(got, exact)
+
+
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+def test_compiles_in_one_graph_with_the_triton_ops(grad_weight):
+    """fullgraph=True: the custom ops (opaque to Dynamo, with fake implementations) break no
+    graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
+    compiled step's gradients are the eager Triton path's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes: list[str] = []
+
+    def capture(gm, example_inputs):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    i8.apply_int8(model, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def loss_fn(x):
+        return model(x).float().pow(2).mean()
+
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    torch.compile(loss_fn, backend=backend, fullgraph=True)(x).backward()
+    fw, bw = codes
+    n_bw = 2 if grad_weight == "int8" else 1  # per layer: grad_input (+ grad_weight in int8)
+    assert fw.count("torch.ops.dtrain.int8_mm") == 2, fw
+    assert bw.count("torch.ops.dtrain.int8_mm") == 2 * n_bw, bw
+    assert "_int_mm" not in fw + bw
+    # Under compile the quantize is left to Inductor (it fuses it into the producer).
+    assert "int8_quantize_rowwise" not in fw + bw
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_fn(x).backward()
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv(i8.KERNEL_ENV, "triton")
+    assert i8.select_kernel("cpu")[0] == "triton"
+    monkeypatch.delenv(i8.KERNEL_ENV)
+    assert i8.select_kernel("cpu") == ("torch", "no CUDA device")
