@@ -188,7 +188,8 @@ def _describe_save_error(e: BaseException, folder: Path) -> str | None:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
     if isinstance(failures, dict):
         for rank, exc in sorted(failures.items()):
-            inner = getattr(exc, "exc", exc)
+            # DCP wraps each as (exception, stack summary)
+            inner = exc[0] if isinstance(exc, tuple) and exc else getattr(exc, "exc", exc)
             if isinstance(inner, OSError):
                 return f"{inner} (rank {rank})"
     free = _free_bytes(folder)
