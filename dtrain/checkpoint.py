@@ -380,7 +380,9 @@ class CheckpointManager:
         """The step of the async save being written, if any."""
         return self._in_flight.step if self._in_flight else None
 
-    def save(self, step: int, state: dict, manifest: dict, *, started: float | None = None):
+    def save(
+        self, step: int, state: dict, manifest: dict, *, started: float | None = None
+    ) -> Saved:
         """Save `state` (DCP state dict) at `step`; returns a Saved. Collective: every rank
         calls it. `started`: when the caller began preparing the save (time.perf_counter()),
         counted in the stall.
