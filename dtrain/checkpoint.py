@@ -15,6 +15,13 @@ every rank has finished and the manifest and marker are on disk: a crash at any 
 either the previous checkpoint set or a `.partial` folder that discovery ignores. Old ones are
 pruned (renamed to `.deleting`, then removed) only after a newer one is complete.
 
+checkpoint.async_save: save_async() takes the same snapshot at the save's step (DCP copies the
+tensors to host memory; the RNG state and the manifest are taken then) and writes, fsyncs,
+hashes and commits it in a background thread, on a gloo process group of its own, while the
+loop trains on. COMPLETE is written, as in save(), only after every rank's files are fsynced
+and hashed. One save at a time: the next one, the end of the run or a stop waits for it
+(finish()); a failure is the same CheckpointSaveError, raised on the main thread.
+
 Loading trusts nothing on disk: the manifest is checked against the marker's sha256 and its
 step against the folder's name, every file's sha256 against the manifest (a truncated or
 altered shard is named), DCP's pickled `.metadata` is first read by an unpickler that only
@@ -33,7 +40,10 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +51,7 @@ import torch
 from dtrain import dist as ddist
 from dtrain import faults
 from dtrain.config import CheckpointConfig
-from dtrain.errors import CheckpointError
+from dtrain.errors import CheckpointError, ConfigError
 
 # DCP warns on every save/load without a process group; a single process is intended there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
@@ -188,7 +198,8 @@ def _describe_save_error(e: BaseException, folder: Path) -> str | None:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
     if isinstance(failures, dict):
         for rank, exc in sorted(failures.items()):
-            inner = getattr(exc, "exc", exc)
+            # DCP wraps each as (exception, stack summary)
+            inner = exc[0] if isinstance(exc, tuple) and exc else getattr(exc, "exc", exc)
             if isinstance(inner, OSError):
                 return f"{inner} (rank {rank})"
     free = _free_bytes(folder)
@@ -286,29 +297,209 @@ def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> No
         raise CheckpointError(f"checkpoint {path}: {first}")
 
 
+@dataclass
+class Saved:
+    """A checkpoint complete on disk, and what it cost the training loop."""
+
+    step: int
+    path: Path
+    background: bool  # written by an async save
+    stall_s: float  # the loop was blocked by it: snapshot, staging, waiting for it, committing
+    save_s: float  # from the start of the save to its COMPLETE marker
+
+
+@dataclass
+class _InFlight:
+    step: int
+    started: float  # time.perf_counter() when the save began (before the state was taken)
+    future: Future  # the background write and commit -> (path, finish time), or raises
+    stall_s: float  # loop time blocked by this save so far
+
+
+def _storage_writer(partial: Path, step: int):
+    """DCP's file writer, with an injection point where this rank's shards are about to be
+    written (in DCP's own thread in an async save)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            faults.point("ckpt.save.write", step=step)
+            return super().write_data(plan, planner)
+
+    return Writer(str(partial))
+
+
+def _synced_hash(path: Path) -> tuple[str, int]:
+    """fsync `path` (about free when its writer synced it) and return (sha256, size): the
+    manifest only ever vouches for bytes that are on the disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return sha256_file(path), path.stat().st_size
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float = 600.0,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._verified: set[Path] = set()  # checked by find_resumable: not hashed twice
         self.rejected: list[Path] = []  # skipped by find_resumable, newest first
+        self.timeout_s = timeout_s  # of the background saves' collectives
+        self._in_flight: _InFlight | None = None  # at most one async save at a time
+        self._group = None  # the background saves' process group (made at the first one)
+        self._executor: ThreadPoolExecutor | None = None
+        if cfg.async_save:
+            import torch.distributed.checkpoint as dcp
+
+            if not hasattr(dcp, "async_save"):
+                raise ConfigError(
+                    f"checkpoint.async_save=true needs torch.distributed.checkpoint.async_save "
+                    f"(torch >= 2.6); this is torch {torch.__version__}: set "
+                    "checkpoint.async_save=false or upgrade torch"
+                )
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
 
     # --- save --------------------------------------------------------------------------
-    def save(self, step: int, state: dict, manifest: dict) -> Path:
-        """Save `state` (DCP state dict) at `step`. Collective: every rank calls it.
+    # A save is in two halves. This rank's part: DCP's shards, extra_rank{r}.pt, each file
+    # fsynced and hashed. Then the commit, collective: the hashes (or errors) gathered, rank 0
+    # writes the manifest and COMPLETE and renames the folder, and every rank learns the
+    # outcome. save() runs both on the calling thread; save_async() copies the state to host
+    # memory and runs both in the background, on a process group of their own.
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the async save being written, if any."""
+        return self._in_flight.step if self._in_flight else None
+
+    def save(
+        self, step: int, state: dict, manifest: dict, *, started: float | None = None
+    ) -> Saved:
+        """Save `state` (DCP state dict) at `step`; returns a Saved. Collective: every rank
+        calls it. `started`: when the caller began preparing the save (time.perf_counter()),
+        counted in the stall.
 
         An OS error on any rank (disk full, read-only or vanished folder) becomes a
         CheckpointSaveError on every rank, after the .partial folder is removed; the
         previous complete checkpoint is untouched. Other exceptions are bugs and propagate.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
 
+        started = time.perf_counter() if started is None else started
+        self._check_idle()
+        partial, err = self._begin(step)
+
+        def write() -> None:
+            faults.point("ckpt.save.after_mkdir", step=step)
+            dcp.save(state, storage_writer=_storage_writer(partial, step))
+
+        result = err or self._write_rank_files(step, write, rng_state())
+        path = self._commit(step, result, manifest)
+        took = time.perf_counter() - started
+        return Saved(step, path, background=False, stall_s=took, save_s=took)
+
+    def save_async(
+        self, step: int, state: dict, manifest: dict, *, started: float | None = None
+    ) -> None:
+        """Start saving `state` at `step` in the background; the loop goes on once the state
+        is copied to host memory (DCP's staging). What is saved is this step's: the tensors
+        are copied, the RNG state and the manifest (the data position) taken now. Collective.
+
+        The checkpoint is complete (COMPLETE written, folder renamed) only after every rank's
+        files are written and fsynced; poll() or finish() report it, or raise the same
+        CheckpointSaveError that save() would.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        started = time.perf_counter() if started is None else started
+        self._check_idle()
+        partial, err = self._begin(step)
+        if err is not None:
+            self._commit(step, err, manifest)  # raises, as save() does
+        if self._executor is None:
+            self._group = ddist.new_background_group(self.timeout_s)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
+        manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
+        rng = rng_state()
+        try:
+            faults.point("ckpt.save.after_mkdir", step=step)
+            staged = dcp.async_save(
+                state, storage_writer=_storage_writer(partial, step), process_group=self._group
+            )
+            # An AsyncSaveResponse where torch stages in the background too (not asked here).
+            written = getattr(staged, "upload_completion", staged)
+        except OSError as e:  # reported as a failed write, by the commit on every rank
+            written = Future()
+            written.set_exception(e.with_traceback(None))  # no cycle through this frame
+
+        def finish() -> tuple[Path, float]:
+            result = self._write_rank_files(step, written.result, rng)
+            return self._commit(step, result, manifest, group=self._group), time.perf_counter()
+
+        future = self._executor.submit(finish)
+        self._in_flight = _InFlight(step, started, future, time.perf_counter() - started)
+
+    def poll(self, sync_point: bool) -> Saved | None:
+        """The async save, if it is complete on every rank (else None, without waiting).
+        Ranks must agree on when they take it: under torchrun only at a `sync_point` (every
+        rank calls poll at the same steps, and those with True gather a flag), alone at once."""
+        job = self._in_flight
+        if job is None or (self.world_size > 1 and not sync_point):
+            return None
+        t0 = time.perf_counter()
+        done = job.future.done()
+        if self.world_size > 1:
+            done = all(ddist.all_gather_object(done))
+        job.stall_s += time.perf_counter() - t0
+        return self.finish() if done else None
+
+    def finish(self) -> Saved | None:
+        """Wait for the async save (if any) to be complete: its Saved, or the
+        CheckpointSaveError of its failure. Collective (every rank calls it)."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return None
+        t0 = time.perf_counter()
+        future, job.future = job.future, None
+        try:
+            path, done = future.result()
+        finally:  # a failure's traceback holds this frame: no cycle back to its future (which
+            del future  # would keep the loop's frame, its data loader included, past the exit)
+        stall = job.stall_s + time.perf_counter() - t0
+        return Saved(job.step, path, background=True, stall_s=stall, save_s=done - job.started)
+
+    def close(self) -> None:
+        """End the background thread. After an error, an async save still in flight is waited
+        for, without raising: it completes if every rank's thread gets through it, otherwise
+        it stays a .partial folder, never loaded (with a dead peer: within timeout_s)."""
+        job, self._in_flight = self._in_flight, None
+        failed = job.future.exception() if job is not None else None
+        if failed is not None:  # the run's own error is the one reported
+            log.warning("checkpoint %s not completed: %s", step_dir_name(job.step), failed)
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _check_idle(self) -> None:
+        # One save at a time: a second would race the first's commit (and its pruning).
+        if self._in_flight is not None:
+            raise RuntimeError(f"a save of step {self._in_flight.step} is in flight: finish() it")
+
+    def _paths(self, step: int) -> tuple[Path, Path]:
         final = self.root / step_dir_name(step)
-        partial = self.root / (step_dir_name(step) + ".partial")
+        return final, final.with_name(final.name + ".partial")
+
+    def _begin(self, step: int) -> tuple[Path, str | None]:
+        """Rank 0 makes an empty .partial folder; every rank gets it, or the error."""
+        _, partial = self._paths(step)
         err = None
         if self.rank == 0:
             try:
@@ -320,25 +511,36 @@ class CheckpointManager:
             except OSError as e:
                 err = f"{e}"
         err = ddist.broadcast_object(err)  # also the barrier before anyone writes
-        result: dict | str = {}
-        if err is None:
-            try:
-                faults.point("ckpt.save.after_mkdir", step=step)
-                dcp.save(state, checkpoint_id=str(partial))
-                faults.point("ckpt.save.after_dcp", step=step)
-                extra_path = partial / f"extra_rank{self.rank}.pt"
-                torch.save({"rng": rng_state()}, extra_path)
-                faults.point("ckpt.save.after_extra", step=step)
-                # Each rank hashes the files it wrote; rank 0 gathers them into the manifest.
-                mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
-                result = {p.name: (sha256_file(p), p.stat().st_size) for p in mine}
-            except (Exception, CheckpointException) as e:  # the latter is a BaseException
-                why = _describe_save_error(e, partial)
-                if why is None:
-                    raise
-                result = f"{why} (rank {self.rank})" if "(rank " not in why else why
-        gathered = ddist.all_gather_object(result if err is None else err)
-        err = err or next((g for g in gathered if isinstance(g, str)), None)
+        return partial, err
+
+    def _write_rank_files(self, step: int, write, rng: dict) -> dict | str:
+        """This rank's part: `write()` (DCP's shards), then extra_rank{r}.pt; each file
+        fsynced and hashed. {name: (sha256, size)}, or one line naming an OS-level failure
+        (anything else is a bug, and raises)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        _, partial = self._paths(step)
+        try:
+            write()
+            faults.point("ckpt.save.after_dcp", step=step)
+            extra_path = partial / f"extra_rank{self.rank}.pt"
+            torch.save({"rng": rng}, extra_path)
+            faults.point("ckpt.save.after_extra", step=step)
+            mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
+            return {p.name: _synced_hash(p) for p in mine}
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            why = _describe_save_error(e, partial)
+            if why is None:
+                raise
+            return f"{why} (rank {self.rank})" if "(rank " not in why else why
+
+    def _commit(self, step: int, result: dict | str, manifest: dict, group=None) -> Path:
+        """The collective half of a save, over `group`: every rank's hashes (or error) to
+        rank 0, which writes the manifest, COMPLETE and renames; CheckpointSaveError on every
+        rank if any failed, with the .partial folder removed."""
+        final, partial = self._paths(step)
+        gathered = ddist.all_gather_object(result, group=group)
+        err = next((g for g in gathered if isinstance(g, str)), None)
         if self.rank == 0 and err is None:
             try:
                 faults.point("ckpt.save.after_hash", step=step)
@@ -346,8 +548,8 @@ class CheckpointManager:
                 for g in gathered:
                     files.update(g)
                 if (partial / ".metadata").exists():
-                    meta = partial / ".metadata"
-                    files[".metadata"] = (sha256_file(meta), meta.stat().st_size)
+                    files[".metadata"] = _synced_hash(partial / ".metadata")
+                _fsync_dir(partial)  # the files' names too, before the manifest lists them
                 manifest = {
                     **manifest,
                     "step": step,
@@ -369,7 +571,7 @@ class CheckpointManager:
             if err is None:
                 faults.point("ckpt.save.after_rename", step=step)
                 self._prune()
-        err = ddist.broadcast_object(err)
+        err = ddist.broadcast_object(err, group=group)
         if err is not None:
             if self.rank == 0:  # nothing half-written stays behind, and nothing is complete
                 shutil.rmtree(partial, ignore_errors=True)
@@ -387,7 +589,8 @@ class CheckpointManager:
 
         Each victim is first renamed to `.deleting` (atomic), so a crash in the middle of
         removing it never leaves a half-deleted folder that still looks complete."""
-        # A .partial folder here is left by a save that died (saves never overlap): drop it.
+        # A .partial folder here is left by a save that died (saves never overlap, async ones
+        # included: this runs in a save's commit, and the next save waits for it): drop it.
         for stale in self.root.glob("step_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
         for leftover in self.root.glob("step_*.deleting"):

@@ -114,6 +114,10 @@ class CheckpointConfig:
     # resume=PATH into a run dir holding later checkpoints: false refuses to start (they
     # would be overwritten or pruned); true deletes them once the resume point is loaded.
     overwrite_newer: bool = False
+    # Periodic saves written in the background (torch.distributed.checkpoint.async_save): the
+    # loop waits only for the copy of the state to host memory. Off until the stall on GPUs is
+    # measured (bench/async_ckpt.sh); meant to become the default on CUDA once it is.
+    async_save: bool = False
 
 
 @dataclass

@@ -175,21 +175,30 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0, group=None):
     """Rank src's Python object on every rank (identity when not distributed)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def new_background_group(timeout_s: float):
+    """A gloo group of every rank for a background thread's collectives (None alone): two
+    threads issuing collectives on one group interleave them differently on each rank. gloo
+    because DCP's async save needs a CPU backend. Collective: every rank calls it."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def all_reduce_max_flag(flag: bool, device: torch.device) -> bool:

@@ -10,13 +10,15 @@ does nothing unless the environment variable DTRAIN_FAULT names that point:
     DTRAIN_FAULT="ckpt.save.begin=enospc#4"       raise OSError(ENOSPC) in the save of step 4
     DTRAIN_FAULT="train.step=stop@1#3"            SIGSTOP rank 1 at step 3 (a hung rank)
     DTRAIN_FAULT="train.step=kill@1#5%0"          SIGKILL rank 1 at step 5, first attempt only
+    DTRAIN_FAULT="ckpt.save.write=sleep#4"        the save of step 4 waits DTRAIN_FAULT_SLEEP_S
+                                                  (default 5) before DCP writes its shards
 
 `%<attempt>` fires only on that torchrun restart attempt (TORCHELASTIC_RESTART_COUNT, 0 on the
 first run), so an elastic restart that replays the same steps does not fail again.
 
 Grammar: `<point>=<action>[@<rank>][#<step>][%<attempt>]`, several joined by commas.
 Actions: kill, stop (signals to this process), enospc, eacces, erofs, eio (an OSError as the
-OS would raise it).
+OS would raise it), sleep (a slow disk, in the thread that reaches the point).
 An environment variable rather than a config key, so that a kill point can sit anywhere
 (including below the config) and a test can arm one rank of a torchrun job.
 
@@ -29,6 +31,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +42,7 @@ ENV = "DTRAIN_FAULT"
 POINTS = (
     "ckpt.save.begin",  # before the .partial folder exists
     "ckpt.save.after_mkdir",  # .partial exists, nothing written
+    "ckpt.save.write",  # DCP about to write this rank's shards (its own thread in an async save)
     "ckpt.save.after_dcp",  # model/optimizer shards and .metadata written
     "ckpt.save.after_extra",  # extra_rank{r}.pt written
     "ckpt.save.after_hash",  # every rank hashed its files, manifest not yet written
@@ -48,7 +52,8 @@ POINTS = (
     "ckpt.prune",  # an old checkpoint renamed to .deleting, not yet removed
     "train.step",  # start of an optimizer step
 )
-ACTIONS = ("kill", "stop", "enospc", "eacces", "erofs", "eio")
+ACTIONS = ("kill", "stop", "sleep", "enospc", "eacces", "erofs", "eio")
+SLEEP_ENV = "DTRAIN_FAULT_SLEEP_S"
 _ERRNO = {"enospc": errno.ENOSPC, "eacces": errno.EACCES, "erofs": errno.EROFS, "eio": errno.EIO}
 
 
@@ -119,6 +124,8 @@ def point(name: str, *, step: int | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.action == "sleep":
+            time.sleep(float(os.environ.get(SLEEP_ENV, "5")))
         else:
             code = _ERRNO[f.action]
             raise OSError(code, f"{os.strerror(code)} (injected by {ENV} at {name})")

@@ -5,6 +5,7 @@ cfg -> process group -> precision -> strategy -> data -> model (+ resume) -> loo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from dtrain.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     CheckpointSaveError,
+    Saved,
     check_newer,
     latest_complete,
 )
@@ -243,7 +245,7 @@ def run(cfg: TrainConfig) -> dict:
     orphan = OrphanWatch(stop)
     env = heartbeat = None
     try:
-        with hold_run_dir(cfg.run_dir):
+        with hold_run_dir(cfg.run_dir), contextlib.ExitStack() as on_exit:
             env = ddist.init_distributed(
                 cfg.trainer.device,
                 timeout_s=cfg.trainer.collective_timeout_s,
@@ -257,7 +259,7 @@ def run(cfg: TrainConfig) -> dict:
                 heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
             try:
                 with attention_kernel(cfg.trainer.attention_kernel):
-                    summary = _run(cfg, env, stop, heartbeat=heartbeat)
+                    summary = _run(cfg, env, stop, heartbeat=heartbeat, on_exit=on_exit)
                 # gloo's barrier waits for every op still in flight on this rank (FSDP2 issues
                 # async ones): a group torn down with one pending aborted a rank now and then
                 # ("terminate called without an active exception").
@@ -283,7 +285,13 @@ def run(cfg: TrainConfig) -> dict:
         stop.restore()
 
 
-def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None) -> dict:
+def _run(
+    cfg: TrainConfig,
+    env: ddist.DistEnv,
+    stop: StopSignal,
+    heartbeat=None,
+    on_exit: contextlib.ExitStack | None = None,
+) -> dict:
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
     if cfg.model.init_from:  # the architecture comes from the directory we start from
@@ -315,7 +323,11 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=cfg.model.vocab_size or data.vocab_size))
 
     run_dir = Path(cfg.run_dir)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
+    ckpt = CheckpointManager(
+        run_dir, cfg.checkpoint, env.rank, env.world_size, timeout_s=t.collective_timeout_s
+    )
+    if on_exit is not None:  # however the run ends, no save is left writing behind it
+        on_exit.callback(ckpt.close)
     # Every rank must resume from the same checkpoint, and see the folder rank 0 completes.
     check_shared_dir(run_dir, env)
     # Rank 0 decides alone (a manager of world size 1 verifies without collectives, which
@@ -395,7 +407,36 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
 
     save_failures: list[int] = []
 
+    def saved(s: Saved) -> None:
+        """Report a complete checkpoint, with the time the loop was blocked by it."""
+        log.info("saved checkpoint %s", s.path)
+        writer.scalars(s.step, {"checkpoint/stall_s": s.stall_s, "checkpoint/save_s": s.save_s})
+        record = {"path": s.path.name, "async": s.background, "done_at_step": step}
+        record.update(stall_s=s.stall_s, save_s=s.save_s)
+        writer.record({"step": s.step, "checkpoint": record})
+
+    def tolerate(e: CheckpointSaveError, at_step: int) -> None:  # checkpoint.on_error=continue
+        save_failures.append(at_step)
+        writer.scalars(at_step, {"checkpoint/save_failures": len(save_failures)})
+        log.warning("%s; training continues (checkpoint.on_error=continue)", e)
+
+    def settle(sync_point: bool | None = None) -> None:
+        """The async save in flight: wait for it (None), or take it if done (at a sync_point
+        under torchrun); reported, or its failure handled as save() handles its own."""
+        at_step = ckpt.in_flight
+        try:
+            done = ckpt.finish() if sync_point is None else ckpt.poll(sync_point)
+        except CheckpointSaveError as e:
+            if cfg.checkpoint.on_error == "stop":
+                raise
+            tolerate(e, at_step)
+            return
+        if done is not None:
+            saved(done)
+
     def save(at_step: int, final: bool = False, cause: str | None = None) -> Path | None:
+        settle()  # at most one save in flight
+        started = time.perf_counter()  # the stall counts the snapshot and the check too
         state = strategy.state_dict()
         # A checkpoint never holds a NaN: saved, it would become the resume point, and
         # keep_last would then prune the good ones. `cause` opens the message if it does.
@@ -419,17 +460,18 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             "config": asdict(cfg),
         }
         try:
-            path = ckpt.save(at_step, state, manifest)
+            if cfg.checkpoint.async_save and not final:  # a final save has nothing to overlap
+                ckpt.save_async(at_step, state, manifest, started=started)
+                return None
+            done = ckpt.save(at_step, state, manifest, started=started)
         except CheckpointSaveError as e:
             # A final save (end of run, signal, stop) has no later chance: always an error.
             if cfg.checkpoint.on_error == "stop" or final:
                 raise
-            save_failures.append(at_step)
-            writer.scalars(at_step, {"checkpoint/save_failures": len(save_failures)})
-            log.warning("%s; training continues (checkpoint.on_error=continue)", e)
+            tolerate(e, at_step)
             return None
-        log.info("saved checkpoint %s", path)
-        return path
+        saved(done)
+        return done.path
 
     def do_eval(at_step: int) -> float:
         loss = evaluate(strategy, data, cfg, env)
@@ -555,6 +597,8 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             loss_sum.zero_()
             steps_since_log = 0
         progress.update(step, info)
+        if ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)
+            settle(sync_point=info is not None)
 
         if t.eval_every > 0 and step % t.eval_every == 0 and step != end_step:
             eval_history.append((step, do_eval(step)))
@@ -583,6 +627,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             throughput.restart()
 
     profiler.stop()
+    settle()
     if not stopped_by_signal:
         if t.eval_every > 0 and (not eval_history or eval_history[-1][0] != step):
             eval_history.append((step, do_eval(step)))

@@ -60,9 +60,12 @@ def test_tensorboard_scalars_are_written(tmp_path):
         "memory/rank0/grads_bytes",
         "memory/rank0/optim_bytes",
         "memory/rank0/rss_bytes",
+        "checkpoint/stall_s",  # the final save: the time the loop was blocked by it
+        "checkpoint/save_s",
     ):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+    assert [e.step for e in acc.Scalars("checkpoint/stall_s")] == [4]
     assert "perf/mfu" not in tags  # a CPU has no real peak to divide by
 
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import FAST, ROOT, cli_env, launch_cmd
+from tests.conftest import FAST, ROOT, cli_env, launch_cmd, train
 
 # A run that saves at steps 2 and 4 quickly, with every step logged.
 SAVES = ["trainer.eval_every=0", "trainer.log_every=1", "checkpoint.every_n_steps=2"]
@@ -101,6 +101,36 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def check_and_resume(run: Path, capfd, full_resume: bool) -> int:
+    """After a crash in a save: every folder that looks complete verifies, the newest complete
+    one survives (keep_last never removed it first) and is what resume=auto picks; with
+    `full_resume`, a run (single, micro-batch 8: the global batch of 2 ranks x 4) resumes from
+    it to step 5. Returns its step."""
+    from dtrain.checkpoint import CheckpointManager, is_complete, latest_complete, verify
+    from dtrain.config import CheckpointConfig
+
+    ckpts = run / "checkpoints"
+    for p in ckpts.iterdir():
+        if p.name.startswith("step_") and "." not in p.name:  # looks final: must be whole
+            assert is_complete(p), p
+            verify(p, CheckpointManager.read_manifest(p))
+    latest = latest_complete(ckpts)
+    assert latest is not None, "keep_last deleted the last complete checkpoint"
+    step = int(latest.name.split("_")[1])
+    # What resume=auto will pick (the same call the loop makes), checksums included.
+    cfg = CheckpointConfig(keep_last=1)
+    picked, _ = CheckpointManager(run, cfg, rank=0, world_size=1).find_resumable()
+    assert picked == latest
+    if not full_resume:
+        return step
+    capfd.readouterr()
+    out = train(run, "trainer.max_steps=5", "trainer.micro_batch_size=8", *SAVES[:2])
+    err = capfd.readouterr().err
+    assert f"resumed from {latest} (step {step})" in err, err[-2000:]
+    assert out["step"] == 5
+    return step
+
+
 def one_error_line(stderr: str) -> str:
     """The run's error line; asserts it is alone (no traceback) and well formed."""
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -109,4 +139,13 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-__all__ = ["ROOT", "SAVES", "snapshot", "start", "kill_tree", "descendants", "rank_of"]
+__all__ = [
+    "ROOT",
+    "SAVES",
+    "snapshot",
+    "start",
+    "kill_tree",
+    "descendants",
+    "rank_of",
+    "check_and_resume",
+]

@@ -15,10 +15,7 @@ import time
 
 import pytest
 
-from dtrain.checkpoint import CheckpointManager, is_complete, latest_complete, verify
-from dtrain.config import CheckpointConfig
-from tests.conftest import train
-from tests.faults.helpers import SAVES, descendants, kill_tree, rank_of, start
+from tests.faults.helpers import SAVES, check_and_resume, descendants, kill_tree, rank_of, start
 
 ARGS = ["strategy=ddp", "trainer.max_steps=4", "checkpoint.keep_last=1", *SAVES]
 
@@ -40,29 +37,6 @@ SEED = int(os.environ.get("DTRAIN_FAULT_SEED", "1234"))
 RANDOM_TRIALS = [(random.Random(SEED + i).randrange(2), SEED + i) for i in range(2)]
 
 
-def _check_and_resume(run, capfd, full_resume: bool) -> int:
-    ckpts = run / "checkpoints"
-    for p in ckpts.iterdir():
-        if p.name.startswith("step_") and "." not in p.name:  # looks final: must be whole
-            assert is_complete(p), p
-            verify(p, CheckpointManager.read_manifest(p))
-    latest = latest_complete(ckpts)
-    assert latest is not None, "keep_last deleted the last complete checkpoint"
-    step = int(latest.name.split("_")[1])
-    # What resume=auto will pick (the same call the loop makes), checksums included.
-    cfg = CheckpointConfig(keep_last=1)
-    picked, _ = CheckpointManager(run, cfg, rank=0, world_size=1).find_resumable()
-    assert picked == latest
-    if not full_resume:
-        return step
-    capfd.readouterr()
-    out = train(run, "trainer.max_steps=5", "trainer.micro_batch_size=8", *SAVES[:2])
-    err = capfd.readouterr().err
-    assert f"resumed from {latest} (step {step})" in err, err[-2000:]
-    assert out["step"] == 5
-    return step
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where,rank", POINTS, ids=[f"{p}-rank{r}" for p, r in POINTS])
 def test_kill_at_each_stage_of_the_save(tmp_path, capfd, where, rank):
@@ -76,7 +50,7 @@ def test_kill_at_each_stage_of_the_save(tmp_path, capfd, where, rank):
         kill_tree(proc)
     assert proc.returncode != 0, err[-2000:]
     assert "saved checkpoint" in err and "step_0000002" in err, err[-3000:]
-    step = _check_and_resume(run, capfd, full_resume=where == "ckpt.save.after_dcp")
+    step = check_and_resume(run, capfd, full_resume=where == "ckpt.save.after_dcp")
     assert step == (4 if where in AFTER_COMPLETE else 2), (where, rank, step)
     if where == "ckpt.prune":  # killed mid-removal: the victim is out of discovery's sight
         assert (run / "checkpoints" / "step_0000002.deleting").exists()
@@ -104,6 +78,6 @@ def test_kill_at_a_random_moment_of_the_save(tmp_path, capfd, rank, seed):
         proc.communicate(timeout=240)
     finally:
         kill_tree(proc)
-    step = _check_and_resume(run, capfd, full_resume=seed == SEED)
+    step = check_and_resume(run, capfd, full_resume=seed == SEED)
     # Too late a kill finds the save done: then step 4 is complete, and that is correct too.
     assert step in (2, 4) and (killed or step == 4)

@@ -29,21 +29,27 @@ def _assert_nothing_half_done(run, newest_complete: int):
         shutil.rmtree(run / "probe")
 
 
+# checkpoint.async_save=true: the same failures in the background, the same outcome.
+MODES = pytest.mark.parametrize("mode", ["sync", "async"])
+
+
+@MODES
 @pytest.mark.parametrize(
     "where,what",
     [
         ("ckpt.save.begin", "enospc"),
+        ("ckpt.save.write", "eio"),
         ("ckpt.save.after_dcp", "enospc"),
         ("ckpt.save.after_extra", "eio"),
         ("ckpt.save.after_manifest", "erofs"),
         ("ckpt.save.after_marker", "enospc"),
     ],
 )
-def test_on_error_stop(tmp_path, monkeypatch, where, what):
+def test_on_error_stop(tmp_path, monkeypatch, where, what, mode):
     monkeypatch.setenv("DTRAIN_FAULT", f"{where}={what}#4")
     run = tmp_path / "run"
     with pytest.raises(CheckpointSaveError) as e:
-        train(run, "trainer.max_steps=6", *SAVES)
+        train(run, "trainer.max_steps=6", *SAVES, f"checkpoint.async_save={mode == 'async'}")
     msg = str(e.value)
     assert "\n" not in msg and isinstance(e.value, CheckpointError)  # exit 2, one line
     assert (
@@ -55,11 +61,17 @@ def test_on_error_stop(tmp_path, monkeypatch, where, what):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002"]
 
 
-def test_on_error_continue_keeps_training_and_saves_later(tmp_path, monkeypatch, capfd):
+@MODES
+def test_on_error_continue_keeps_training_and_saves_later(tmp_path, monkeypatch, capfd, mode):
     monkeypatch.setenv("DTRAIN_FAULT", "ckpt.save.after_dcp=enospc#4")
     run = tmp_path / "run"
     out = train(
-        run, "trainer.max_steps=6", "checkpoint.keep_last=0", "checkpoint.on_error=continue", *SAVES
+        run,
+        "trainer.max_steps=6",
+        "checkpoint.keep_last=0",
+        "checkpoint.on_error=continue",
+        f"checkpoint.async_save={mode == 'async'}",
+        *SAVES,
     )
     assert out["step"] == 6 and out["save_failures"] == [4]
     assert "training continues (checkpoint.on_error=continue)" in capfd.readouterr().err
