@@ -123,10 +123,11 @@ class MetricsWriter:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events a crashed run logged past the step we resume from.
+            # purge_step drops events a crashed run logged past the step we resume from (those
+            # of that step itself stay, as in metrics.jsonl: the checkpoint holds them).
             self.tb = SummaryWriter(
                 str(run_dir / EVENTS_DIR / run_name),
-                purge_step=start_step if start_step else None,
+                purge_step=start_step + 1 if start_step else None,
             )
         if cfg.jsonl:
             path = run_dir / "metrics.jsonl"

@@ -13,6 +13,8 @@ import pytest
 from dtrain.errors import ConfigError
 from tests.conftest import compose, read_jsonl, train
 
+# TensorBoard's vendored HTML sanitizer warns when the HParams plugin is imported.
+pytestmark = pytest.mark.filterwarnings("ignore:html5lib's sanitizer:DeprecationWarning")
 GiB = 1024**3
 # Short runs: three logged steps (the prediction error from step 2 on), nothing slow at evals.
 QUICK = [
@@ -215,6 +217,21 @@ def test_end_of_run_summary_and_chart_in_tensorboard(two_runs):
     assert img.step == 3 and img.encoded_image_string[:4] == b"\x89PNG"
 
 
+def test_a_resumed_run_continues_its_tensorboard_run(tmp_path):
+    from dtrain.reporting.tensorboard import event_dirs
+
+    args = [*QUICK, "checkpoint=default"]
+    train(tmp_path, *args, "trainer.stop_at_step=2")
+    train(tmp_path, *args)
+    (d,) = event_dirs(tmp_path)
+    _, acc = _acc(tmp_path)
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    _, (group,) = _hparams_plugin(tmp_path)
+    assert {m.name.tag: m.value for m in group.metric_values}["train/loss"] == pytest.approx(
+        acc.Scalars("train/loss")[-1].value
+    )
+
+
 # --- config -----------------------------------------------------------------------------
 
 
@@ -230,6 +247,16 @@ def test_bad_logger_config_is_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         compose(override)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_logger_config_exits_2_with_one_line():
+    from tests.conftest import launch
+
+    res = launch("metrics.wandb.mode=cloud", "hydra.run.dir=/nonexistent/never/made", timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "error: metrics.wandb.mode='cloud' is not valid; choose offline, online, disabled"
+    ]
 
 
 def test_a_logger_without_its_library_says_how_to_install(monkeypatch):
@@ -311,13 +338,15 @@ def test_mlflow_file_store_logs_params_metrics_and_summary(tmp_path):
     from mlflow.tracking import MlflowClient
 
     store = (tmp_path / "mlruns").as_uri()
-    train(
-        tmp_path / "run",
+    args = [
         *QUICK,
+        "checkpoint=default",
         "metrics.mlflow.enabled=true",
         f"metrics.mlflow.tracking_uri={store}",
         "metrics.mlflow.experiment=t",
-    )
+    ]
+    train(tmp_path / "run", *args, "trainer.stop_at_step=2")
+    train(tmp_path / "run", *args)  # resumed: the same MLflow run goes on
     client = MlflowClient(tracking_uri=store)
     exp = client.get_experiment_by_name("t")
     (run,) = client.search_runs([exp.experiment_id])
