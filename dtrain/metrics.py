@@ -250,8 +250,8 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
 
 def memory_scalars(memory_per_rank: list[dict], plan=None) -> dict:
     """Memory for TensorBoard and the loggers, in GiB (metrics.jsonl keeps the exact bytes):
-    memory/rank{r}/<quantity>_gib for every rank, memory/worst_rank/<quantity>_gib (the run's
-    figure in HParams) and, given the plan (rank 0's), memory/predicted/<quantity>_gib beside
+    memory/rank{r}/<quantity>_gib for every rank, memory/worst_rank/{peak,model_state}_gib (the
+    run's figures in HParams) and, given the plan (rank 0's), memory/predicted/<quantity>_gib beside
     the measured ones at every logged step."""
     out, worst = {}, {}
     for r, mem in enumerate(memory_per_rank):
@@ -261,9 +261,13 @@ def memory_scalars(memory_per_rank: list[dict], plan=None) -> dict:
         for k, v in q.items():
             out[f"memory/rank{r}/{k}_gib"] = v / GiB
             worst[k] = max(worst.get(k, 0), v)
-    for k in ("peak_reserved", "peak_allocated", "peak_rss", "model_state"):
-        if k in worst:
-            out[f"memory/worst_rank/{k}_gib"] = worst[k] / GiB
+    # The worst rank's peak: what the CUDA caching allocator reserved on a GPU, the process's
+    # peak RSS on a CPU (one series, so that the HParams table has one peak memory column).
+    peak = worst.get("peak_reserved", worst.get("peak_rss"))
+    if peak is not None:
+        out["memory/worst_rank/peak_gib"] = peak / GiB
+    if "model_state" in worst:
+        out["memory/worst_rank/model_state_gib"] = worst["model_state"] / GiB
     if plan is not None:
         predicted = {
             "params": plan.params_bytes,

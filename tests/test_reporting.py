@@ -131,12 +131,13 @@ def test_memory_scalars_worst_rank_and_prediction_in_gib():
     )  # fmt: skip
     s = memory_scalars(ranks, plan)
     assert s["memory/rank1/peak_reserved_gib"] == 7.0
-    assert s["memory/worst_rank/peak_reserved_gib"] == 7.0
+    assert s["memory/worst_rank/peak_gib"] == 7.0
     assert s["memory/rank0/model_state_gib"] == 4.0
     assert s["memory/predicted/peak_reserved_gib"] == 6.5
     assert not any(k.endswith(("/host", "/local_rank")) for k in s)
-    cpu = memory_scalars([{"params_bytes": GiB, "peak_rss_bytes": GiB}], plan)
+    cpu = memory_scalars([{"params_bytes": GiB, "peak_rss_bytes": 3 * GiB}], plan)
     assert "memory/predicted/peak_reserved_gib" not in cpu  # no GPU peak beside a CPU run
+    assert cpu["memory/worst_rank/peak_gib"] == 3.0  # on CPU: the peak RSS
 
 
 def _hparams_plugin(logdir):
@@ -195,7 +196,7 @@ def test_hparams_dashboard_lists_every_run_with_its_figures(two_runs):
         assert metrics["train/loss"] == pytest.approx(last["loss"], rel=1e-6)
         assert metrics["perf/tokens_per_s_per_gpu"] > 0
         (mem,) = last["memory_per_rank"]
-        assert metrics["memory/worst_rank/peak_rss_gib"] == pytest.approx(
+        assert metrics["memory/worst_rank/peak_gib"] == pytest.approx(
             mem["peak_rss_bytes"] / GiB, rel=1e-6
         )
         assert metrics["memory/worst_rank/model_state_gib"] > 0

@@ -215,6 +215,6 @@ def run_hparams(
         "lr": cfg.optim.lr,
         "data": cfg.data.name,
         "device": env.device.type,
-        "gpu": torch.cuda.get_device_name(env.device) if cuda else "none",
+        "gpu": torch.cuda.get_device_name(env.device) if cuda else "cpu",
         "compile": compile_enabled,
     }

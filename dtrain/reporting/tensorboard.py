@@ -20,18 +20,33 @@ from pathlib import Path
 EVENTS_DIR = "tensorboard"
 PROFILE_DIR = "profile"  # dtrain.profiling's traces, a run of their own
 
-# Series whose last value is the run's figure in the HParams table (see the module docstring).
-HPARAMS_METRICS = (
-    "train/loss",
-    "eval/loss",
-    "perf/tokens_per_s_per_gpu",
-    "perf/mfu",
-    "memory/worst_rank/peak_reserved_gib",  # CUDA
-    "memory/worst_rank/peak_rss_gib",  # CPU
-    "memory/worst_rank/model_state_gib",
-    "memory/prediction_error_pct",  # CUDA: predicted vs measured peak reserved
-    "memory/prediction_error_pct_model_state",  # CPU: model state only
+# The HParams table's hyperparameter columns (the loggers get every key of run_hparams).
+HPARAMS = (
+    "strategy",
+    "precision",
+    "world_size",
+    "model",
+    "micro_batch_size",
+    "global_batch_size",
+    "seq_len",
+    "gpu",
+    "compile",
 )
+# The columns TensorBoard shows at first: it shows 5, those marked `differs` before the others.
+HPARAMS_FIRST = ("strategy", "precision", "world_size", "model", "micro_batch_size")
+# Series whose last value is the run's figure in the HParams table (see the module docstring),
+# with their column titles.
+# TensorBoard shows the first 5 at first.
+HPARAMS_METRICS = {
+    "memory/worst_rank/peak_gib": "peak GiB per GPU (CUDA: reserved; CPU: RSS)",
+    "perf/tokens_per_s_per_gpu": "tokens/s per GPU",
+    "perf/mfu": "MFU",
+    "train/loss": "final loss",
+    "memory/worst_rank/model_state_gib": "model state GiB per GPU",
+    "eval/loss": "final eval loss",
+    "memory/prediction_error_pct": "prediction error % (peak reserved)",
+    "memory/prediction_error_pct_model_state": "prediction error % (model state)",
+}
 
 
 def run_name(strategy: str, precision: str, world_size: int, model: str) -> str:
@@ -88,26 +103,49 @@ def layout(cuda: bool, mfu: bool) -> dict:
     return {"memory": memory, "training": throughput}
 
 
+BOOL = ("false", "true")
+
+
 def _domains(hparams: dict) -> dict:
     """Discrete choices for the HParams filter's check boxes, where the registry knows them."""
     from dtrain.precision import PRECISIONS
     from dtrain.strategies import STRATEGIES
 
     out = {}
-    for key, choices in (("strategy", STRATEGIES), ("precision", PRECISIONS)):
+    for key, choices in (("strategy", STRATEGIES), ("precision", PRECISIONS), ("compile", BOOL)):
         if hparams.get(key) in choices:
             out[key] = sorted(choices)
     return out
 
 
 def hparams_summaries(hparams: dict) -> tuple:
-    """(experiment, session start) summaries for the HParams plugin: the hparams (str, bool or
-    number each; None dropped) and HPARAMS_METRICS as the metric columns."""
+    """(experiment, session start) summaries for the HParams plugin: the HPARAMS columns of
+    `hparams` (None dropped) and HPARAMS_METRICS as the metric columns."""
     from torch.utils.tensorboard.summary import hparams as hparams_pb
 
-    values = {k: v for k, v in hparams.items() if v is not None}
+    values = {}
+    for k in HPARAMS:
+        v = hparams.get(k)
+        if isinstance(v, bool):  # torch would log a bool as the number 0 or 1
+            v = str(v).lower()
+        if v is not None:
+            values[k] = v
     exp, ssi, _ = hparams_pb(values, dict.fromkeys(HPARAMS_METRICS, 0.0), _domains(values))
+    _name_columns(exp)
     return exp, ssi
+
+
+def _name_columns(exp) -> None:
+    """Column titles for the metrics, and HPARAMS_FIRST marked `differs`, in the experiment."""
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    (value,) = exp.value
+    data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in HPARAMS_FIRST
+    for info in data.experiment.metric_infos:
+        info.display_name = HPARAMS_METRICS[info.name.tag]
+    value.metadata.plugin_data.content = data.SerializeToString()
 
 
 def session_end(ok: bool):
