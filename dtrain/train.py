@@ -591,7 +591,7 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
             save(step, final=True)  # also at stop_at_step, so the run can be resumed
     stream.close()  # (on an error, its __del__ does it when the frame goes)
     progress.close()
-    writer.finish(step)
+    final = writer.finish(step)  # the run's figures, as compare reads them (rank 0)
     return {
         "step": step,
         "losses": loss_history,
@@ -601,4 +601,5 @@ def _run(cfg: TrainConfig, env: ddist.DistEnv, stop: StopSignal, heartbeat=None)
         "save_failures": save_failures,
         "n_params": n_params,
         "run_dir": str(run_dir),
+        "summary": final,
     }
