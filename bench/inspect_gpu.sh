@@ -23,9 +23,10 @@ python3 -m dtrain.cli.export checkpoint=$RUN out=$OUT/hf || echo "export failed 
 python3 - "$RUN" "$OUT" <<'PY' | tee $OUT/checks.json
 import json, sys, torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from dtrain.reporting.tensorboard import event_dirs
 from dtrain.weights import load_checkpoint, resolve_checkpoint
 run, out = sys.argv[1], sys.argv[2]
-acc = EventAccumulator(run + "/tensorboard", size_guidance={"images": 0, "tensors": 0}); acc.Reload()
+acc = EventAccumulator(str(event_dirs(run)[0]), size_guidance={"images": 0, "tensors": 0}); acc.Reload()
 tags = acc.Tags()
 res = {"images": sorted(tags["images"]), "samples": sorted(t for t in tags["tensors"] if "samples" in t),
        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

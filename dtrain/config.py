@@ -160,12 +160,43 @@ class DebugConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (pip install 'dtrain[wandb]'): the same scalars, the config as the
+    run's config, the final summary. Offline by default: files under `dir`, `wandb sync` later."""
+
+    enabled: bool = False
+    project: str = "dtrain"
+    entity: str | None = None
+    name: str | None = None  # None: the run's configuration name (strategy-precision-wN-model)
+    mode: str = "offline"  # offline | online | disabled
+    dir: str | None = None  # None: the run dir (its wandb/ folder)
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (pip install 'dtrain[mlflow]'): scalars as metrics, the config as params, the
+    final summary as metrics and summary.json."""
+
+    enabled: bool = False
+    # None: $MLFLOW_TRACKING_URI, else a file store in the run dir (<run_dir>/mlruns).
+    tracking_uri: str | None = None
+    experiment: str = "dtrain"
+    run_name: str | None = None  # None: the run's configuration name
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = True
     jsonl: bool = True
     # Peak FLOP/s of one device for MFU. None: a table for known GPUs; elsewhere (CPU, an
     # unknown GPU) MFU is not reported, since there is no real peak to divide by.
     peak_tflops: float | None = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -440,6 +471,7 @@ def validate(cfg: TrainConfig) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     validate_inspect(cfg.inspect, cfg.profile, m)
+    validate_loggers(cfg.metrics)
     _validate_strategy(cfg.strategy)
     validate_reliability(cfg)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
@@ -460,6 +492,23 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         from dtrain.hf import parse_init_from
 
         parse_init_from(m.init_from)
+
+
+def validate_loggers(mc: MetricsConfig) -> None:
+    """A logger that is on must have a valid mode and its library installed (checked without
+    importing it, on every rank, before anything is written)."""
+    import importlib.util
+
+    if mc.wandb.mode not in WANDB_MODES:
+        raise ConfigError(
+            f"metrics.wandb.mode={mc.wandb.mode!r} is not valid; choose {', '.join(WANDB_MODES)}"
+        )
+    for key, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if getattr(mc, key).enabled and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"metrics.{key}.enabled=true needs the {module} package: "
+                f"pip install 'dtrain[{key}]' (or metrics.{key}.enabled=false)"
+            )
 
 
 COMPILE_SCOPES = ("model", "blocks")

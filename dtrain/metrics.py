@@ -1,4 +1,5 @@
-"""Throughput, MFU, memory per rank (gathered to rank 0), TensorBoard and metrics.jsonl writers.
+"""Throughput, MFU, memory per rank (gathered to rank 0), and the writer of TensorBoard,
+metrics.jsonl and the optional loggers (dtrain/reporting/).
 
 Every rank measures; rank 0 writes.
 """
@@ -18,6 +19,9 @@ from dtrain import dist as ddist
 from dtrain.config import MetricsConfig
 from dtrain.dist import DistEnv
 from dtrain.hardware import gpu_named
+from dtrain.reporting.loggers import build_loggers
+from dtrain.reporting.summary import GiB, SummaryBuilder, draw_chart
+from dtrain.reporting.tensorboard import EVENTS_DIR, hparams_summaries, layout, session_end
 
 
 def peak_flops(device: torch.device, cfg: MetricsConfig) -> float | None:
@@ -85,12 +89,23 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Writes scalars and records on rank 0; a no-op elsewhere."""
+    """Writes on rank 0, a no-op elsewhere: TensorBoard (events in
+    <run_dir>/tensorboard/<run_name>/), metrics.jsonl, and the W&B / MLflow loggers that
+    metrics.wandb / metrics.mlflow turn on. Scalars go to TensorBoard and the loggers alike."""
 
-    def __init__(self, run_dir: Path, env: DistEnv, cfg: MetricsConfig, start_step: int = 0):
+    def __init__(
+        self,
+        run_dir: Path,
+        env: DistEnv,
+        cfg: MetricsConfig,
+        start_step: int = 0,
+        run_name: str = "run",
+    ):
         self.enabled = env.is_main
         self.tb = None
         self.jsonl = None
+        self.loggers: list = []
+        self.summary = SummaryBuilder(run_dir)  # the run's final numbers, as compare reads them
         if not self.enabled:
             return
         run_dir = Path(run_dir)
@@ -98,24 +113,45 @@ class MetricsWriter:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events a crashed run logged past the step we resume from.
+            # purge_step drops events a crashed run logged past the step we resume from (those
+            # of that step itself stay, as in metrics.jsonl: the checkpoint holds them).
             self.tb = SummaryWriter(
-                str(run_dir / "tensorboard"), purge_step=start_step if start_step else None
+                str(run_dir / EVENTS_DIR / run_name),
+                purge_step=start_step + 1 if start_step else None,
             )
         if cfg.jsonl:
             path = run_dir / "metrics.jsonl"
             if start_step and path.exists():
                 _truncate_jsonl(path, start_step)
+                for line in path.read_text().splitlines():  # the summary covers the whole run
+                    self.summary.add(json.loads(line))
             self.jsonl = open(path, "a", buffering=1)
+        self.loggers = build_loggers(cfg, run_dir, run_name)
+
+    def start(self, hparams: dict, config: dict, *, cuda: bool, mfu: bool) -> None:
+        """At every start (a resume too): the HParams session and the Custom Scalars layout in
+        TensorBoard; the hparams and the whole config to the loggers."""
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            for summary in hparams_summaries(hparams):
+                self.tb._get_file_writer().add_summary(summary)
+            self.tb.add_custom_scalars(layout(cuda=cuda, mfu=mfu))
+        for logger in self.loggers:
+            logger.start(hparams, config)
 
     def scalars(self, step: int, values: dict) -> None:
-        if self.tb is None:
-            return
-        for k, v in values.items():
-            if v is not None:
+        values = {k: v for k, v in values.items() if v is not None}
+        if self.tb is not None:
+            for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
+        for logger in self.loggers:
+            logger.scalars(step, values)
 
     def record(self, obj: dict) -> None:
+        if not self.enabled:
+            return
+        self.summary.add(obj)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(obj) + "\n")
 
@@ -134,11 +170,58 @@ class MetricsWriter:
         if self.jsonl is not None:
             self.jsonl.flush()
 
-    def close(self) -> None:
+    def finish(self, step: int) -> dict:
+        """At the end of a run: its final numbers (the row compare prints) as a TensorBoard
+        text table and to the loggers' summaries, compare's chart as an image, then close.
+        Returns the numbers."""
+        if not self.enabled:
+            return {}
+        run = self.summary.result()
+        final = run.final()
         if self.tb is not None:
+            rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in final.items())
+            self.tb.add_text("summary", "| | |\n|---|---|\n" + rows, step)
+        for logger in self.loggers:
+            logger.summary(final)
+        self._chart(run, step)
+        self.close(ok=True)
+        return final
+
+    def _chart(self, run, step: int) -> None:
+        if run.measured_bytes is None or not (self.tb is not None or self.loggers):
+            return
+        try:
+            fig = draw_chart([run])
+        except ImportError:  # matplotlib is an extra ('dtrain[plot]'): no chart without it
+            return
+        for logger in self.loggers:
+            logger.figure(CHART_TAG, fig, step)
+        if self.tb is not None:
+            self.tb.add_figure(CHART_TAG, fig, step)  # closes the figure
+        else:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+    def close(self, ok: bool = False) -> None:
+        """`ok`: the run ended normally (its HParams status; W&B's exit code; MLflow's status)."""
+        if self.tb is not None:
+            self.tb._get_file_writer().add_summary(session_end(ok))
             self.tb.close()
+            self.tb = None
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
+        for logger in self.loggers:
+            logger.close(ok)
+        self.loggers = []
+
+
+CHART_TAG = "memory/predicted_vs_measured"
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _truncate_jsonl(path: Path, start_step: int) -> None:
@@ -155,11 +238,34 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
     os.replace(tmp, path)
 
 
-def memory_scalars(memory_per_rank: list[dict]) -> dict:
-    """memory/rank{r}/<key> for TensorBoard, in bytes."""
-    out = {}
+def memory_scalars(memory_per_rank: list[dict], plan=None) -> dict:
+    """Memory for TensorBoard and the loggers, in GiB (metrics.jsonl keeps the exact bytes):
+    memory/rank{r}/<quantity>_gib for every rank, memory/worst_rank/{peak,model_state}_gib (the
+    run's figures in HParams) and, given the plan (rank 0's), memory/predicted/<quantity>_gib beside
+    the measured ones at every logged step."""
+    out, worst = {}, {}
     for r, mem in enumerate(memory_per_rank):
-        for k, v in mem.items():
-            if k.endswith("_bytes"):  # not the host name / local rank that label the rank
-                out[f"memory/rank{r}/{k}"] = v
+        # Byte counts only, not the host name / local rank that label the rank.
+        q = {k.removesuffix("_bytes"): v for k, v in mem.items() if k.endswith("_bytes")}
+        q["model_state"] = sum(q.get(k, 0) for k in ("params", "grads", "optim", "master"))
+        for k, v in q.items():
+            out[f"memory/rank{r}/{k}_gib"] = v / GiB
+            worst[k] = max(worst.get(k, 0), v)
+    # The worst rank's peak: what the CUDA caching allocator reserved on a GPU, the process's
+    # peak RSS on a CPU (one series, so that the HParams table has one peak memory column).
+    peak = worst.get("peak_reserved", worst.get("peak_rss"))
+    if peak is not None:
+        out["memory/worst_rank/peak_gib"] = peak / GiB
+    if "model_state" in worst:
+        out["memory/worst_rank/model_state_gib"] = worst["model_state"] / GiB
+    if plan is not None:
+        predicted = {
+            "params": plan.params_bytes,
+            "grads": plan.grads_bytes,
+            "optim": plan.optim_bytes,
+            "model_state": plan.model_state_bytes,
+        }
+        if "peak_reserved" in worst:  # a GPU peak is predicted for CUDA runs alone
+            predicted["peak_reserved"] = plan.peak_bytes
+        out.update({f"memory/predicted/{k}_gib": v / GiB for k, v in predicted.items()})
     return out

@@ -33,10 +33,8 @@ from dtrain.faults import NonfiniteInjector, point
 from dtrain.inspector import Inspector
 from dtrain.memory import (
     PREDICTION_COMPARES,
-    TB_LAYOUT,
     markdown_breakdown,
     predicted_record,
-    predicted_scalars,
     prediction_error_pct,
     run_prediction,
     summary_text,
@@ -54,6 +52,8 @@ from dtrain.optim import lr_at, short_warmup_warning
 from dtrain.precision import build_precision
 from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.profiling import StepProfiler
+from dtrain.reporting.summary import run_hparams
+from dtrain.reporting.tensorboard import run_name
 from dtrain.rundir import hold_run_dir
 from dtrain.strategies import build_strategy
 from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
@@ -201,9 +201,12 @@ def evaluate(strategy, data, cfg: TrainConfig, env) -> float:
     return strategy.mean_across_ranks(total / t.eval_steps).item()
 
 
-def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, step: int):
-    """Predicted memory per GPU, logged at the start (memory/predicted/*, a text summary, a
-    custom-scalars layout, `memory_predicted` in metrics.jsonl). Returns the plan."""
+def log_memory_prediction(
+    cfg: TrainConfig, precision, strategy, env, writer, step: int, run_info: dict
+):
+    """Predicted memory per GPU, logged at the start (a text table `memory/predicted`;
+    `run` and `memory_predicted` in metrics.jsonl). Returns the plan, which every logged step
+    puts beside the measured memory (memory/predicted/*)."""
     compile_enabled = bool(getattr(strategy, "compile_enabled", False))
     try:
         plan, setup = run_prediction(cfg, precision, env, compile_enabled)
@@ -213,22 +216,7 @@ def log_memory_prediction(cfg: TrainConfig, precision, strategy, env, writer, st
     text = summary_text(plan, setup, cfg.model)
     log.info("memory: %s", text)
     if step == 0:
-        writer.scalars(0, predicted_scalars(plan))
         writer.text("memory/predicted", markdown_breakdown(plan, text), 0)
-        if writer.tb is not None:
-            writer.tb.add_custom_scalars(TB_LAYOUT)
-        run_info = {
-            "strategy": strategy.name,
-            "precision": precision.name,
-            "world_size": env.world_size,
-            "model": cfg.model.name,
-            "n_params": plan.n_params,
-            "micro_batch_size": cfg.trainer.micro_batch_size,
-            "seq_len": cfg.trainer.seq_len,
-            "device": env.device.type,
-            "compile": compile_enabled,
-            "allocator": env.allocator,
-        }
         writer.record({"step": 0, "run": run_info, "memory_predicted": predicted_record(plan)})
     return plan
 
@@ -378,7 +366,18 @@ def _run(
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(env.device, cfg.metrics)
     tokens_per_step = global_batch * t.seq_len
-    writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step)
+    name = run_name(strategy.name, precision.name, env.world_size, cfg.model.name)
+    writer = MetricsWriter(run_dir, env, cfg.metrics, start_step=step, run_name=name)
+    hparams = run_hparams(
+        cfg,
+        strategy=strategy.name,
+        precision=precision.name,
+        env=env,
+        grad_accum_steps=accum,
+        n_params=n_params,
+        compile_enabled=bool(getattr(strategy, "compile_enabled", False)),
+    )
+    writer.start(hparams, asdict(cfg), cuda=env.device.type == "cuda", mfu=peak is not None)
     if nodes is not None:
         log.info("ranks: %s", describe(nodes))
     if env.device.type == "cuda":
@@ -387,7 +386,7 @@ def _run(
     profiler = StepProfiler(cfg.profile, run_dir, env)
     if step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
-    mem_plan = log_memory_prediction(cfg, precision, strategy, env, writer, step)
+    mem_plan = log_memory_prediction(cfg, precision, strategy, env, writer, step, hparams)
     log.info(
         "%s | %s | world %d | model %s: %.2fM params, %.3g FLOPs/token | global batch %d x %d "
         "tokens | run dir %s",
@@ -580,7 +579,7 @@ def _run(
                     "perf/tokens_per_s_per_gpu": tok_s / env.world_size,
                     "perf/mfu": mfu,
                     "perf/data_wait_pct": data_wait_pct,
-                    **memory_scalars(mem),
+                    **memory_scalars(mem, mem_plan),
                 },
             )
             # After warm-up: optimizer states exist, the peak is steady.
@@ -637,7 +636,7 @@ def _run(
             save(step, final=True)  # also at stop_at_step, so the run can be resumed
     stream.close()  # (on an error, its __del__ does it when the frame goes)
     progress.close()
-    writer.close()
+    final = writer.finish(step)  # the run's figures, as compare reads them (rank 0)
     return {
         "step": step,
         "losses": loss_history,
@@ -647,4 +646,5 @@ def _run(
         "save_failures": save_failures,
         "n_params": n_params,
         "run_dir": str(run_dir),
+        "summary": final,
     }

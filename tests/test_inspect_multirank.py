@@ -35,7 +35,7 @@ def test_ddp_run_logs_from_rank0_and_its_checkpoint_loads_on_one_process(tmp_pat
     assert res.returncode == 0, res.stderr[-3000:]
     tags = _events(run).Tags()
     assert "attention/layer_00" in tags["images"] and "samples/0/text_summary" in tags["tensors"]
-    assert len(list((run / "tensorboard").glob("events.out.*"))) == 1  # rank 0 wrote alone
+    assert len(list((run / "tensorboard").rglob("events.out.*"))) == 1  # rank 0 wrote alone
     loaded = load_checkpoint(run / "checkpoints" / "step_0000002")
     assert loaded.manifest["world_size"] == 2
     out = generate(loaded.model, torch.tensor([[100, 101]]), SamplingConfig(4, greedy=True))

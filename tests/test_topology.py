@@ -139,6 +139,6 @@ def test_memory_per_rank_names_host_and_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     (mem,) = gather_memory(StateBytes(1, 2, 3), torch.device("cpu"))
     assert (mem["host"], mem["local_rank"]) == (socket.gethostname(), 3)
-    scalars = memory_scalars([mem])  # TensorBoard gets the byte counts, not the labels
-    assert scalars["memory/rank0/params_bytes"] == 1
+    scalars = memory_scalars([mem])  # TensorBoard gets the byte counts (in GiB), not the labels
+    assert scalars["memory/rank0/params_gib"] == 1 / 1024**3
     assert not any(k.endswith(("/host", "/local_rank")) for k in scalars)

@@ -45,7 +45,8 @@ def test_tensorboard_scalars_are_written(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=2")
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    # One TensorBoard run per run dir, named by its configuration.
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "single-fp32-w1-tiny"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for tag in (
@@ -56,10 +57,10 @@ def test_tensorboard_scalars_are_written(tmp_path):
         "eval/ppl",
         "perf/tokens_per_s",
         "perf/tokens_per_s_per_gpu",
-        "memory/rank0/params_bytes",
-        "memory/rank0/grads_bytes",
-        "memory/rank0/optim_bytes",
-        "memory/rank0/rss_bytes",
+        "memory/rank0/params_gib",
+        "memory/rank0/grads_gib",
+        "memory/rank0/optim_gib",
+        "memory/rank0/rss_gib",
         "checkpoint/stall_s",  # the final save: the time the loop was blocked by it
         "checkpoint/save_s",
     ):

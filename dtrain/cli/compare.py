@@ -19,46 +19,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-PARTS = ("params", "grads", "optim", "activations", "transient", "overhead")
+from dtrain.reporting.summary import (
+    PARTS,
+    GiB,
+    RunSummary,
+    SummaryBuilder,
+    draw_chart,
+)
 
-
-@dataclass
-class RunSummary:
-    run_dir: str
-    strategy: str = "?"
-    precision: str = "?"
-    world_size: int = 1
-    model: str = "?"
-    device: str = "?"
-    tokens_per_s_per_gpu: float | None = None
-    mfu: float | None = None
-    final_loss: float | None = None
-    measured_bytes: int | None = None  # worst rank: peak reserved (CUDA) or model state (CPU)
-    predicted_bytes: int | None = None  # the same quantity, predicted
-    measured_kind: str = "peak_reserved"  # or model_state
-    predicted_parts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def error_pct(self) -> float | None:
-        if not self.measured_bytes or self.predicted_bytes is None:
-            return None
-        return 100.0 * (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
-
-
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _steady(records: list[dict]) -> list[dict]:
-    """Logged intervals after the first (compilation, allocator warm-up, lazy optimizer state)."""
-    return records[1:] if len(records) > 1 else records
+__all__ = ["PARTS", "RunSummary", "main", "read_run", "render_table", "write_chart"]
 
 
 def _from_hydra(run_dir: Path, s: RunSummary) -> None:
@@ -80,95 +53,66 @@ def _from_hydra(run_dir: Path, s: RunSummary) -> None:
     s.model = str(OmegaConf.select(c, "model.name", default=s.model))
 
 
-def _apply_memory(s: RunSummary, pred: dict | None, mem_per_rank_records: list[list[dict]]):
-    """Measured worst-rank memory and the matching predicted quantity and breakdown."""
-    ranks = [m for rec in mem_per_rank_records for m in rec]
-    if any("peak_reserved_bytes" in m for m in ranks):
-        s.measured_kind = "peak_reserved"
-        s.measured_bytes = max(m.get("peak_reserved_bytes", 0) for m in ranks)
-        if pred:
-            s.predicted_bytes = pred.get("peak_bytes")
-            parts = dict(pred.get("at_peak", {}))
-            parts["overhead"] = parts.get("overhead", 0) - pred.get("context_bytes", 0)
-            s.predicted_parts = {k: int(parts.get(k, 0)) for k in PARTS}
-    elif ranks:
-        s.measured_kind = "model_state"
-        s.measured_bytes = max(
-            sum(m.get(k, 0) for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes"))
-            for m in ranks
-        )
-        if pred:
-            s.predicted_bytes = pred.get("model_state_bytes")
-            s.predicted_parts = {
-                "params": pred.get("params_bytes", 0),
-                "grads": pred.get("grads_bytes", 0),
-                "optim": pred.get("optim_bytes", 0) + pred.get("master_bytes", 0),
-            }
-
-
 def read_jsonl_run(run_dir: Path) -> RunSummary:
-    s = RunSummary(str(run_dir))
-    records = []
+    b = SummaryBuilder(run_dir)
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            b.add(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by a crash
-    pred = None
-    for r in records:
-        if "run" in r:
-            info = r["run"]
-            s.strategy, s.precision = info.get("strategy", "?"), info.get("precision", "?")
-            s.world_size, s.model = int(info.get("world_size", 1)), info.get("model", "?")
-            s.device = info.get("device", "?")
-        if "memory_predicted" in r:
-            pred = r["memory_predicted"]
+    s = b.result()
     if s.strategy == "?":
         _from_hydra(run_dir, s)
-    train = [r for r in records if "loss" in r]
-    if train:
-        s.final_loss = train[-1]["loss"]
-        steady = _steady(train)
-        s.tokens_per_s_per_gpu = _mean([r.get("tokens_per_s_per_gpu") for r in steady])
-        s.mfu = _mean([r.get("mfu") for r in steady])
-        if s.world_size == 1 and train[-1].get("memory_per_rank"):
-            s.world_size = len(train[-1]["memory_per_rank"])
-    _apply_memory(s, pred, [r["memory_per_rank"] for r in train if r.get("memory_per_rank")])
     return s
 
 
 def read_event_run(run_dir: Path) -> RunSummary:
-    """The same summary from TensorBoard event files (scalars only)."""
+    """The same summary from TensorBoard event files (scalars only; the predicted breakdown is
+    in metrics.jsonl alone, so the chart shows the predicted total)."""
     import re
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = acc.Tags().get("scalars", [])
+    from dtrain.reporting.tensorboard import event_dirs
 
-    def values(tag: str) -> list[float]:
-        return [e.value for e in acc.Scalars(tag)] if tag in tags else []
+    values: dict[str, list[float]] = {}
+    for d in event_dirs(run_dir):  # one named run (two where an older run was resumed)
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            values.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
 
-    s = RunSummary(str(run_dir))
-    _from_hydra(run_dir, s)
-    loss = values("train/loss")
-    s.final_loss = loss[-1] if loss else None
-    s.tokens_per_s_per_gpu = _mean(_steady(values("perf/tokens_per_s_per_gpu")))
-    s.mfu = _mean(_steady(values("perf/mfu")))
+    def in_bytes(tag: str, unit: str) -> int:  # GiB since runs were named, bytes before
+        return int(round(max(values[tag]) * (GiB if unit == "gib" else 1)))
+
+    b = SummaryBuilder(run_dir)
+    loss = values.get("train/loss", [])
+    b.s.final_loss = loss[-1] if loss else None
+    eval_loss = values.get("eval/loss", [])
+    b.s.final_eval_loss = eval_loss[-1] if eval_loss else None
+    b.tok = values.get("perf/tokens_per_s_per_gpu", [])
+    b.mfu = values.get("perf/mfu", [])
     per_rank: dict[int, dict] = {}
-    for tag in tags:
-        m = re.fullmatch(r"memory/rank(\d+)/(\w+)", tag)
+    pred: dict = {}
+    for tag in values:
+        m = re.fullmatch(r"memory/rank(\d+)/(\w+)_(bytes|gib)", tag)
         if m:
-            per_rank.setdefault(int(m.group(1)), {})[m.group(2)] = int(max(values(tag)))
-    s.world_size = max(1, len(per_rank))
-    pred = None
-    if "memory/predicted/total_bytes" in tags:
-        pred = {
-            t.split("/")[-1]: int(values(t)[-1]) for t in tags if t.startswith("memory/predicted/")
-        }
-        pred["at_peak"] = {k: pred.get(f"at_peak_{k}", 0) for k in PARTS}
-    _apply_memory(s, pred, [list(per_rank.values())])
+            per_rank.setdefault(int(m.group(1)), {})[m.group(2) + "_bytes"] = in_bytes(
+                tag, m.group(3)
+            )
+        m = re.fullmatch(r"memory/predicted/(\w+)_(bytes|gib)", tag)
+        if m:
+            pred[m.group(1) + "_bytes"] = in_bytes(tag, m.group(2))
+    for mem in per_rank.values():  # the per-rank model state is a sum of the parts below
+        mem.pop("model_state_bytes", None)
+    b.add_memory(list(per_rank.values()))
+    if pred:
+        pred["peak_bytes"] = pred.get("peak_reserved_bytes")
+        b.pred = pred
+    s = b.result()
+    if "at_peak" not in pred:  # only the total was logged: no breakdown to stack
+        s.predicted_parts = {}
+    _from_hydra(run_dir, s)
     return s
 
 
@@ -178,7 +122,9 @@ def read_run(run_dir: str | Path) -> RunSummary:
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").exists():
         return read_jsonl_run(run_dir)
-    if (run_dir / "tensorboard").is_dir():
+    from dtrain.reporting.tensorboard import event_dirs
+
+    if event_dirs(run_dir):
         return read_event_run(run_dir)
     raise DataError(f"{run_dir} is not a run dir: it has neither metrics.jsonl nor tensorboard/")
 
@@ -246,47 +192,12 @@ def write_chart(runs: list[RunSummary], path: Path) -> None:
     from dtrain.errors import ConfigError
 
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ConfigError(
             "the chart needs matplotlib: pip install 'dtrain[plot]' (or pass --no-png)"
         ) from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    cpu = all(r.measured_kind == "model_state" for r in runs)
-    scale, unit = (1024**2, "MiB") if cpu else (1024**3, "GiB")
-    colors = dict(zip(PARTS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs) + 2), 4.8))
-    width, labelled = 0.38, set()
-
-    def label(name: str) -> str | None:
-        # One legend entry per part, however many runs draw it.
-        if name in labelled:
-            return None
-        labelled.add(name)
-        return name
-
-    for i, r in enumerate(runs):
-        bottom = 0.0
-        for part in PARTS:
-            v = r.predicted_parts.get(part, 0) / scale
-            if v > 0:
-                ax.bar(i - width / 2, v, width, bottom=bottom, color=colors[part],
-                       label=label(f"predicted: {part}"))  # fmt: skip
-                bottom += v
-        if r.measured_bytes:
-            ax.bar(i + width / 2, r.measured_bytes / scale, width, color="#333333",
-                   label=label("measured"))  # fmt: skip
-    ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels(
-        [f"{r.strategy}\n{r.precision}\nw{r.world_size} {r.model}" for r in runs], fontsize=8
-    )
-    what = "model state (params + grads + optim)" if cpu else "peak reserved"
-    ax.set_ylabel(f"{unit} per GPU")
-    ax.set_title(f"Memory per GPU (worst rank): predicted vs measured\n{what}", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    fig = draw_chart(runs)
     tmp = path.with_name(path.name + ".tmp.png")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,6 +208,8 @@ def write_chart(runs: list[RunSummary], path: Path) -> None:
             tmp.unlink(missing_ok=True)
         raise ConfigError(f"--png {path}: cannot write the chart ({e})") from None
     finally:
+        import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 

@@ -36,11 +36,9 @@ from dtrain.memory.plan import (
 )
 from dtrain.memory.report import (
     PREDICTION_COMPARES,
-    TB_LAYOUT,
     fmt_bytes,
     markdown_breakdown,
     predicted_record,
-    predicted_scalars,
     prediction_error_pct,
     run_prediction,
     summary_text,
@@ -68,7 +66,6 @@ __all__ = [
     "DDP_SMALL_BUCKET_MB",
     "GPUS",
     "PREDICTION_COMPARES",
-    "TB_LAYOUT",
     "ComputeBudget",
     "GiB",
     "GpuSpec",
@@ -93,7 +90,6 @@ __all__ = [
     "param_shapes",
     "plan_memory",
     "predicted_record",
-    "predicted_scalars",
     "prediction_error_pct",
     "quantized_inputs",
     "run_prediction",

@@ -55,34 +55,6 @@ def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
     return " ".join(lines)
 
 
-# TensorBoard custom-scalars layout: one chart per quantity with every rank's (and, with
-# --logdir at the parent of several run dirs, every run's) curves overlaid.
-TB_LAYOUT = {
-    "memory": {
-        "peak reserved per rank (CUDA)": [
-            "Multiline",
-            [r"memory/rank\d+/peak_reserved_bytes", r"memory/predicted/peak_reserved_bytes"],
-        ],
-        "peak RSS per rank (CPU)": ["Multiline", [r"memory/rank\d+/peak_rss_bytes"]],
-        "model state per rank": [
-            "Multiline",
-            [r"memory/rank\d+/(params|grads|optim)_bytes", r"memory/predicted/model_state_bytes"],
-        ],
-        "predicted breakdown": ["Multiline", [r"memory/predicted/.*"]],
-        "prediction error %": ["Multiline", [r"memory/prediction_error_pct"]],
-        "prediction error % (model state, CPU)": [
-            "Multiline",
-            [r"memory/prediction_error_pct_model_state"],
-        ],
-    },
-    "throughput": {
-        "tokens/s per GPU": ["Multiline", [r"perf/tokens_per_s_per_gpu"]],
-        "MFU": ["Multiline", [r"perf/mfu"]],
-        "loss": ["Multiline", [r"train/loss", r"eval/loss"]],
-    },
-}
-
-
 def run_prediction(cfg, precision, env, compile_enabled: bool) -> tuple[MemoryPlan, MemorySetup]:
     """The plan for rank 0 of this run (the rank that holds the most under FSDP padding)."""
     setup = setup_from_config(cfg, precision, env.world_size, device=env.device.type)
@@ -109,15 +81,6 @@ def predicted_record(plan: MemoryPlan) -> dict:
     out["model_state_bytes"] = plan.model_state_bytes
     out["phase"] = plan.phase
     out["at_peak"] = dict(plan.at_peak)
-    return out
-
-
-def predicted_scalars(plan: MemoryPlan) -> dict:
-    rec = predicted_record(plan)
-    out = {f"memory/predicted/{k}": v for k, v in rec.items() if isinstance(v, int)}
-    out["memory/predicted/peak_reserved_bytes"] = plan.peak_bytes
-    for part, v in plan.at_peak.items():  # what is alive at the peak, for charts
-        out[f"memory/predicted/at_peak_{part}"] = v
     return out
 
 
