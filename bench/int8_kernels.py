@@ -500,6 +500,15 @@ def _write(out_dir: Path, res: dict) -> None:
     (out_dir / "int8_kernels.md").write_text(render(res))
 
 
+def _str_keys(obj):
+    """JSON keys must be strings: autotuning's cache is keyed by shape tuples."""
+    if isinstance(obj, dict):
+        return {str(k): _str_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_str_keys(v) for v in obj]
+    return obj
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
@@ -515,7 +524,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     if args.micro_json:  # the child process of part 1
-        args.micro_json.write_text(json.dumps(part_micro(args), default=str))
+        args.micro_json.write_text(json.dumps(_str_keys(part_micro(args)), default=str))
         return
 
     res: dict = {"argv": sys.argv[1:]}
