@@ -52,6 +52,17 @@ def run(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 900) ->
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
+# The memory prediction's check: model=1b compiled (as users run it), a few steps past warm-up.
+MEMORY_1B = [
+    "model=1b",
+    "trainer.seq_len=2048",
+    "trainer.max_steps=4",
+    "trainer.micro_batch_size=4",
+    "precision=bf16",
+    "data=synthetic",
+]
+
+
 def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, cli_env
-from tests.gpu.common import EAGER, STEPS, last, losses, record, run
+from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run
 
 pytestmark = pytest.mark.gpu
 
@@ -107,12 +107,7 @@ def test_expandable_segments_are_set_by_dtrains_switch_and_cut_reserved_memory(r
 def test_memory_prediction_at_1b_is_within_10_percent_of_peak_reserved(tmp_path, results):
     recs = run(
         tmp_path / "run",
-        "model=1b",
-        "trainer.seq_len=2048",
-        "trainer.max_steps=4",
-        "trainer.micro_batch_size=4",
-        "precision=bf16",
-        "data=synthetic",
+        *MEMORY_1B,
     )
     err = last(recs, "memory_prediction_error_pct")
     record(

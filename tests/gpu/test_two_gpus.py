@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from tests.gpu.common import EAGER, STEPS, last, losses, record, run
+from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -94,12 +94,7 @@ def test_memory_prediction_at_1b_within_10_percent(name, tmp_path, results):
     """Compiled, as users run it (single: tests/gpu/test_single_gpu.py)."""
     recs = run(
         tmp_path / "run",
-        "model=1b",
-        "trainer.seq_len=2048",
-        "trainer.max_steps=4",
-        "trainer.micro_batch_size=4",
-        "precision=bf16",
-        "data=synthetic",
+        *MEMORY_1B,
         *STRATEGIES[name],
         nproc=2,
     )
