@@ -308,6 +308,11 @@ def test_wandb_offline_logs_scalars_config_and_summary(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     train(tmp_path, *QUICK, "metrics.wandb.enabled=true", "metrics.wandb.project=t")
+    # run.finish() can return before wandb-core has written its buffered records to the .wandb
+    # file (CI once read only the header); teardown waits for the service to close its writers.
+    import wandb
+
+    wandb.teardown()
     records = read_wandb_records(tmp_path)
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert runs[0].display_name == "single-fp32-w1-tiny" and runs[0].project == "t"
