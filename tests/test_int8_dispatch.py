@@ -120,3 +120,15 @@ def test_a_triton_layer_given_cpu_tensors_computes_the_portable_path(monkeypatch
             model(x).float().pow(2).mean().backward()
     for p, q in zip(ref.parameters(), tri.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_the_rowwise_scale_is_a_multiply_by_the_fp32_reciprocal():
+    """Device-independent bits: amax * fp32(1/127), which CUDA's eager `x / 127.0` (a multiply
+    by the reciprocal) and CPU's (a true division) would not agree on for this row's amax."""
+    amax = torch.tensor(13.69, dtype=torch.float32)
+    assert amax / 127.0 != amax * torch.tensor(1 / 127, dtype=torch.float32)  # the case exists
+    x = torch.tensor([[0.5, -13.69, 2.0], [0.0, 0.0, 0.0]])
+    q, scale = i8.quantize_rowwise(x)
+    assert scale[0, 0] == amax * torch.tensor(1 / 127, dtype=torch.float32)
+    assert scale[1, 0] == torch.tensor(1e-12, dtype=torch.float32) * (1 / 127)
+    assert q[0].tolist() == [5, -127, 19]

@@ -66,6 +66,10 @@ log = logging.getLogger("dtrain")
 
 # Symmetric int8: [-127, 127] (not -128, so negation is exact and the grid is symmetric).
 QMAX = 127.0
+# The scale is amax * fp32(1/127), not amax / 127: CUDA's eager `tensor / python_scalar` is a
+# multiply by the reciprocal (1 ulp off true division in ~4.5% of rows), CPU's a true division;
+# an explicit multiply gives the same bits on CPU, CUDA and in the Triton kernel.
+INV_QMAX = 1.0 / QMAX
 # int32 accumulation overflows past 2**31 / 127**2 = 133,143 products of full-scale values;
 # longer reductions (grad_weight over many tokens) are split into chunks this long.
 MAX_REDUCTION = 131072
@@ -83,7 +87,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, C) float -> q (R, C) int8 row-major, scale (R, 1) fp32, with x ~ q * scale."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / QMAX
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) * INV_QMAX
     q = (xf / scale).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale
 

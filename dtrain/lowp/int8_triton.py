@@ -51,6 +51,8 @@ except ImportError:  # pragma: no cover - older layouts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 QMAX = 127.0
+# amax * fp32(1/127), as dtrain.lowp.int8.quantize_rowwise computes the scale (see INV_QMAX there).
+INV_QMAX = tl.constexpr(1.0 / QMAX)
 
 # --- the GEMM ---------------------------------------------------------------------------------
 
@@ -337,9 +339,7 @@ def _quantize_rowwise_kernel(
         if HAS_COL_SCALE:
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    # IEEE division (Triton's `/` on fp32 is the approximate div.full), as eager computes it.
-    # (127.0 is spelled out: a Triton kernel may read only constexpr globals.)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_R,), 127.0, tl.float32))
+    scale = tl.maximum(amax, 1e-12) * tl.full((BLOCK_R,), INV_QMAX, tl.float32)
     tl.store(scale_ptr + offs_r, scale, mask=r_ok)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -349,6 +349,7 @@ def _quantize_rowwise_kernel(
         v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
         if HAS_COL_SCALE:
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
+        # IEEE division (Triton's `/` on fp32 is the approximate div.full), as eager's x / scale.
         y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], (BLOCK_R, BLOCK_C))))
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
@@ -381,7 +382,7 @@ def quantize_rowwise(x, col_scale):
     if r == 0:
         return q, scale
     if c == 0:
-        return q, scale.fill_(1e-12 / QMAX)
+        return q, scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0
     cs = col_scale.reshape(-1).float().contiguous() if col_scale is not None else None
     if cs is not None and cs.numel() != c:
         raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
