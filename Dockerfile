@@ -7,6 +7,9 @@
 #       -e RDZV_ID=job1 -v /shared:/shared dtrain:latest strategy=ddp hydra.run.dir=/shared/runs/a
 #
 # Versions are pinned; change them together (DeepSpeed and torchao must suit the base's torch).
+# torch 2.11.0 with CUDA 12.8: inside pyproject's torch>=2.6 (tests/test_install.py checks), the
+# release the GPU figures in docs/benchmarks.md were measured on. Another CUDA build: pass
+# --build-arg BASE_IMAGE=pytorch/pytorch:<torch>-cuda<X.Y>-cudnn9-devel.
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel
 FROM ${BASE_IMAGE}
 

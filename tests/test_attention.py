@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.compiler.config as compiler_config
 from torch.nn.attention import SDPBackend
 
@@ -20,7 +21,9 @@ def test_chosen_kernel_goes_first_and_torchs_order_returns(name):
     with attention_kernel(name):
         order = torch._C._get_sdp_priority_order()
         assert SDPBackend(order[0]) == _BACKENDS[name]
-        assert order[1:] == [i for i in before if i != order[0]]  # the rest in torch's order
+        # the rest in torch's order (torch 2.6 repeats math at the end when it was named first)
+        rest = order[1:-1] if torch.__version__ < "2.7" and order[1:].count(order[0]) else order[1:]
+        assert rest == [i for i in before if i != order[0]]
         # every kernel stays enabled as a fallback for shapes the first cannot take
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
         assert torch.backends.cuda.cudnn_sdp_enabled()
@@ -71,13 +74,22 @@ def test_bad_kernel_exits_2_with_the_choices(tmp_path):
     assert len(lines) == 1 and ", ".join(KERNELS) in lines[0], res.stderr
 
 
+@pytest.mark.skipif(
+    not functorch_config.enable_autograd_cache,
+    reason="AOTAutograd's on-disk cache is off in this torch (off by default before 2.7)",
+)
 def test_a_graph_compiled_under_a_named_kernel_is_not_reused_by_another_choice():
     """torch's AOTAutograd cache keys a graph without the SDPA order: without the cache-key tag,
     a run with `auto` would get back (from disk) the graph an earlier run traced with `math`
     first. With it the second compile misses, and a third (same choice again) hits."""
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
+    from torch._inductor import utils as inductor_utils
+
+    # named fresh_inductor_cache before torch 2.7
+    fresh_cache = (
+        getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    )
 
     def f(q):
         return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
