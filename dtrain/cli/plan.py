@@ -273,7 +273,8 @@ def render_text(p: dict) -> str:
     out = [
         f"{p['model']} ({p['n_params'] / 1e6:,.1f}M params) | strategy={p['strategy']} "
         f"precision={p['precision']} | {p['world_size']} x {p['gpu']} | micro-batch "
-        f"{p['micro_batch_size']} x {p['seq_len']} tokens, accumulation {p['grad_accum_steps']}"
+        f"{p['micro_batch_size']}{' (auto)' if p['micro_batch_auto'] else ''} x {p['seq_len']} "
+        f"tokens, accumulation {p['grad_accum_steps']}"
         f" | checkpointing {p['activation_checkpointing']}, compile {p['compile']}",
         "",
         "memory per GPU (rank 0)",
