@@ -124,7 +124,9 @@ class CheckpointConfig:
 class TrainerConfig:
     max_steps: int = 1000  # the length of the LR schedule
     stop_at_step: int | None = None  # stop early (after saving) as a preemption would
-    micro_batch_size: int = 16
+    # Sequences per rank per forward/backward; "auto": the largest the memory plan says fits,
+    # with a margin (dtrain.memory.resolve_auto_micro_batch, docs/planner.md).
+    micro_batch_size: int | str = 16
     grad_accum_steps: int = 1
     # Sequences per optimizer step over all ranks. None: micro_batch_size * grad_accum_steps *
     # world size. Set, it fixes grad_accum_steps so that any world size trains the same batch.
@@ -356,6 +358,7 @@ def from_dictconfig(dcfg: Any) -> TrainConfig:
 # --- validation --------------------------------------------------------------------------
 
 RESUME_CHOICES = ("auto", "never")
+AUTO = "auto"  # trainer.micro_batch_size: resolved by the memory plan before the run is built
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 # The valid range of every number in the schema, in one place. validate() checks each value
@@ -455,6 +458,11 @@ def validate(cfg: TrainConfig) -> None:
     registries when built (they know their own choices)."""
     t, m = cfg.trainer, cfg.model
     check_ranges(cfg)
+    if isinstance(t.micro_batch_size, str) and t.micro_batch_size != AUTO:
+        raise ConfigError(
+            f"trainer.micro_batch_size must be a positive integer or {AUTO}, "
+            f"got {t.micro_batch_size!r}"
+        )
     if t.stop_at_step is not None and t.stop_at_step > t.max_steps:
         raise ConfigError(
             f"trainer.stop_at_step={t.stop_at_step} is past trainer.max_steps={t.max_steps}"
@@ -586,6 +594,8 @@ def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:
     """Micro-steps per optimizer step, from global_batch_size when it is set."""
     if t.global_batch_size is None:
         return t.grad_accum_steps
+    if t.micro_batch_size == AUTO:  # a bug, not a user's error: resolve it first
+        raise ValueError("resolve trainer.micro_batch_size=auto before the accumulation")
     per_pass = t.micro_batch_size * world_size
     if t.global_batch_size % per_pass:
         raise ConfigError(

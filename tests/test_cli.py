@@ -65,6 +65,7 @@ def test_resume_from_an_incomplete_checkpoint_is_refused(tmp_path):
 
 CLIS = {
     "plan": ["-m", "dtrain.cli.plan"],
+    "calibrate": ["-m", "dtrain.cli.calibrate"],
     "compare": ["-m", "dtrain.cli.compare"],
     "generate": ["-m", "dtrain.cli.generate"],
     "export": ["-m", "dtrain.cli.export"],

@@ -330,7 +330,7 @@ def single_run(tmp_path_factory):
 
 
 def _per_rank_plans(run_dir: Path, overrides: list[str], world: int) -> list:
-    from dtrain.cli.plan import resolve_vocab
+    from dtrain.memory import resolve_vocab
 
     cfg = compose(*FAST, *overrides, f"hydra.run.dir={run_dir}")
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))

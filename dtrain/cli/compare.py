@@ -155,6 +155,9 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
         "error",
         "final loss",
     ]
+    speed = any(r.predicted_tokens_per_s_per_gpu is not None for r in runs)
+    if speed:  # predicted beside measured throughput, where runs logged a prediction
+        head[6:6] = ["predicted tok/s/GPU", "speed error"]
     rows = []
     for r in runs:
         err = r.error_pct
@@ -173,6 +176,9 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
                 "-" if r.final_loss is None else f"{r.final_loss:.4f}",
             ]
         )
+        if speed:
+            p, e = r.predicted_tokens_per_s_per_gpu, r.speed_error_pct
+            rows[-1][6:6] = ["-" if p is None else f"{p:,.0f}", "-" if e is None else f"{e:+.1f}%"]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

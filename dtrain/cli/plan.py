@@ -6,15 +6,35 @@
 Takes the training overrides (composed through conf/ exactly as launch/train.py does) plus
 plan-only keys: world_size= (default 1), gpu= (default h100-80gb; see GPUS in dtrain.hardware),
 format=text|json, mfu= (default 0.4, for GPU-hours), tokens= (default: the run's own
-max_steps x global batch x seq_len). Bad input: one line on stderr, exit code 2.
+max_steps x global batch x seq_len), profile=auto|none|PATH (speed from a profile written by
+dtrain.cli.calibrate; auto: this GPU's profile in ~/.cache/dtrain if there is one, else the
+datasheet), gpus_per_node= (default 8), objective=fastest (search strategy x precision x
+micro-batch x activation checkpointing x HSDP replicas over what fits, ranked; strategies=
+and precisions= limit it, comma-separated; top= how many to list, default 5).
+trainer.micro_batch_size=auto plans the largest micro-batch that fits with a 10% margin.
+Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 
-PLAN_KEYS = ("world_size", "gpu", "format", "mfu", "tokens")
+PLAN_KEYS = (
+    "world_size",
+    "gpu",
+    "format",
+    "mfu",
+    "tokens",
+    "objective",
+    "profile",
+    "gpus_per_node",
+    "strategies",
+    "precisions",
+    "top",
+)
+OBJECTIVES = ("none", "fastest")
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -48,107 +68,191 @@ def _number(value: str, key: str, cast, low: float, high: float | None = None):
     return x
 
 
-def resolve_vocab(cfg) -> int:
-    """The model's vocab as the run would set it: model.vocab_size, else the tokenizer's."""
-    from dtrain.data.tokenizer import BPE_DEFAULT_VOCAB, ByteTokenizer, padded_vocab
+@dataclass
+class PlanOptions:
+    """The plan-only keys, checked."""
+
+    fmt: str
+    gpu: object  # dtrain.hardware.GpuSpec
+    world: int
+    mfu: float
+    gpus_per_node: int
+    objective: str
+    profile: str
+    strategies: list[str] | None
+    precisions: list[str] | None
+    top: int
+
+
+def plan_options(opts: dict[str, str]) -> PlanOptions:
     from dtrain.errors import ConfigError
+    from dtrain.hardware import GPUS
+    from dtrain.memory.machine import GPUS_PER_NODE
 
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    if cfg.data.source == "synthetic" and cfg.data.vocab_size:
-        return padded_vocab(cfg.data.vocab_size)
-    if cfg.data.tokenizer == "byte":
-        return padded_vocab(ByteTokenizer().vocab_size)
-    if cfg.data.tokenizer == "bpe":  # trained to exactly data.vocab_size tokens
-        return padded_vocab(cfg.data.vocab_size or BPE_DEFAULT_VOCAB)
-    raise ConfigError(
-        f"cannot tell the vocab of tokenizer {cfg.data.tokenizer!r} without loading it; "
-        "add model.vocab_size=N (e.g. 50304 for GPT-2's)"
-    )
-
-
-def build_plan(argv: list[str]) -> dict:
-    """Everything the plan prints, as one JSON-able dict."""
-    from dataclasses import replace
-
-    import torch
-
-    from dtrain.config import PrecisionConfig, compose, resolve_grad_accum
-    from dtrain.errors import ConfigError
-    from dtrain.hardware import GPUS, gpu_peak_flops
-    from dtrain.memory import (
-        compute_budget,
-        largest_micro_batch,
-        plan_memory,
-        setup_from_config,
-        summary_text,
-    )
-    from dtrain.precision import build_precision
-
-    opts, overrides = split_args(argv)
     fmt = opts.get("format", "text")
     if fmt not in ("text", "json"):
         raise ConfigError(f"format={fmt!r}; valid choices: text, json")
     gpu_name = opts.get("gpu", "h100-80gb").lower()
     if gpu_name not in GPUS:
         raise ConfigError(f"unknown gpu '{gpu_name}'; valid choices: {', '.join(GPUS)}")
-    gpu = GPUS[gpu_name]
-    world = _number(opts.get("world_size", "1"), "world_size", int, 1)
-    mfu = _number(opts.get("mfu", "0.4"), "mfu", float, 1e-3, 1.0)
-
-    cfg = compose(overrides)
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
-    # Planned for `gpu`, not for this machine: fp16/fp8 plan on a laptop too.
-    precision = build_precision(
-        PrecisionConfig(**{**cfg.precision.__dict__}), torch.device("cpu"), check_device=False
+    objective = opts.get("objective", "none")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r}; valid choices: {', '.join(OBJECTIVES)}")
+    return PlanOptions(
+        fmt=fmt,
+        gpu=GPUS[gpu_name],
+        world=_number(opts.get("world_size", "1"), "world_size", int, 1),
+        mfu=_number(opts.get("mfu", "0.4"), "mfu", float, 1e-3, 1.0),
+        gpus_per_node=_number(
+            opts.get("gpus_per_node", str(GPUS_PER_NODE)), "gpus_per_node", int, 1
+        ),
+        objective=objective,
+        profile=opts.get("profile", "auto"),
+        strategies=_choices(opts, "strategies", _registry("strategies")),
+        precisions=_choices(opts, "precisions", _registry("precisions")),
+        top=_number(opts.get("top", "5"), "top", int, 1),
     )
-    from dtrain.data import check_world_size
+
+
+def _registry(what: str) -> list[str]:
+    from dtrain.precision import PRECISIONS
     from dtrain.strategies import STRATEGIES
 
-    # What training would refuse before it starts, the plan refuses too, with its words and
-    # in its order: the strategy's checks, the batch, then the data's streams.
+    return list(STRATEGIES if what == "strategies" else PRECISIONS)
+
+
+def _choices(opts: dict[str, str], key: str, valid: list[str]) -> list[str] | None:
+    """A comma-separated subset of `valid` (None: not given)."""
+    from dtrain.errors import ConfigError
+
+    if key not in opts:
+        return None
+    picked = [x for x in opts[key].split(",") if x]
+    for x in picked:
+        if x not in valid:
+            raise ConfigError(f"{key}= has unknown {x!r}; valid choices: {', '.join(valid)}")
+    return picked
+
+
+def checked_setup(cfg, world: int, gpu):
+    """(cfg, precision, setup) for the plan, refusing what training would refuse before it
+    starts, with its words and in its order: the strategy's checks, the batch, then the data's
+    streams. micro_batch_size=auto is resolved as training resolves it."""
+    from dataclasses import replace
+
+    from dtrain.config import resolve_grad_accum
+    from dtrain.data import check_world_size
+    from dtrain.memory import plan_precision, resolve_vocab, setup_from_config
+    from dtrain.memory.search import resolve_auto_micro_batch
+    from dtrain.strategies import STRATEGIES
+
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
+    precision = plan_precision(cfg)
     cls = STRATEGIES.get(cfg.strategy.name)
     if cls is not None:
         cls.check_config(cfg.strategy, precision, "cuda")
         cls.check_world(cfg.strategy, world)
-    accum = resolve_grad_accum(cfg.trainer, world)
+    auto = cfg.trainer.micro_batch_size == "auto"
+    if auto:
+        mb = resolve_auto_micro_batch(cfg, world, "cuda", gpu=gpu)
+        cfg = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
+    resolve_grad_accum(cfg.trainer, world)
     check_world_size(cfg.data, world)
-    setup = setup_from_config(cfg, precision, world, device="cuda")
+    return cfg, precision, setup_from_config(cfg, precision, world, device="cuda"), auto
+
+
+def build_plan(argv: list[str]) -> dict:
+    """Everything the plan prints, as one JSON-able dict."""
+    from dtrain.config import compose
+    from dtrain.hardware import gpu_peak_flops
+    from dtrain.memory import compute_budget, largest_micro_batch, plan_memory, summary_text
+    from dtrain.memory.machine import build_machine, find_profile
+    from dtrain.memory.speed import plan_speed
+
+    opts, overrides = split_args(argv)
+    o = plan_options(opts)
+    cfg, precision, setup, auto = checked_setup(compose(overrides), o.world, o.gpu)
+    world, t = o.world, cfg.trainer
     plan = plan_memory(cfg.model, setup)
-    best = largest_micro_batch(cfg.model, setup, gpu.memory_bytes)
-    t = cfg.trainer
-    run_tokens = t.max_steps * t.micro_batch_size * accum * world * t.seq_len
+    machine = build_machine(o.gpu, find_profile(o.gpu, o.profile), o.gpus_per_node)
+    speed = plan_speed(cfg.model, setup, machine)
+    run_tokens = t.max_steps * t.micro_batch_size * setup.grad_accum_steps * world * t.seq_len
     tokens = _number(opts["tokens"], "tokens", int, 1) if "tokens" in opts else run_tokens
-    peak = gpu_peak_flops(gpu, precision)
+    peak = gpu_peak_flops(o.gpu, precision)
     budget = compute_budget(
-        cfg.model, t.seq_len, tokens, world_size=world, peak_flops=peak, mfu=mfu
+        cfg.model, t.seq_len, tokens, world_size=world, peak_flops=peak, mfu=o.mfu
     )
     chinchilla = compute_budget(
-        cfg.model, t.seq_len, None, world_size=world, peak_flops=peak, mfu=mfu
+        cfg.model, t.seq_len, None, world_size=world, peak_flops=peak, mfu=o.mfu
     )
-    return {
-        "format": fmt,
+    out = {
+        "format": o.fmt,
         "model": cfg.model.name,
         "strategy": cfg.strategy.name,
         "precision": precision.name,
         "world_size": world,
-        "gpu": gpu.name,
-        "gpu_memory_bytes": gpu.memory_bytes,
+        "gpu": o.gpu.name,
+        "gpu_memory_bytes": o.gpu.memory_bytes,
         "micro_batch_size": t.micro_batch_size,
+        "micro_batch_auto": auto,
         "seq_len": t.seq_len,
-        "grad_accum_steps": accum,
+        "grad_accum_steps": setup.grad_accum_steps,
         "activation_checkpointing": setup.activation_checkpointing,
         "compile": setup.compile,
         **{k: v for k, v in plan.to_dict().items() if k != "notes"},
         "notes": plan.notes,
-        "fits": plan.total_bytes <= gpu.memory_bytes,
-        "largest_micro_batch": best,
+        "fits": plan.total_bytes <= o.gpu.memory_bytes,
+        "largest_micro_batch": largest_micro_batch(cfg.model, setup, o.gpu.memory_bytes),
         "n_params": budget.n_params,
         "flops_per_token": budget.flops_per_token,
         "chinchilla_tokens": budget.chinchilla_tokens,
         "run": budget.to_dict(),
         "chinchilla": chinchilla.to_dict(),
         "summary": summary_text(plan, setup, cfg.model),
+        "speed": speed.to_dict(),
+    }
+    if o.objective == "fastest":
+        out["fastest"] = fastest(cfg, setup, machine, o)
+    return out
+
+
+def fastest(cfg, setup, machine, o: PlanOptions) -> dict:
+    """objective=fastest: the ranked candidates that fit, why the first wins, what does not fit."""
+    from dtrain.memory.search import search, why_first
+
+    ranked, ruled_out = search(
+        cfg.model,
+        setup,
+        machine,
+        o.gpu.memory_bytes,
+        strategies=o.strategies,
+        precisions=o.precisions,
+        global_batch=cfg.trainer.global_batch_size,
+    )
+
+    def row(c) -> dict:
+        return {
+            "label": c.label(),
+            "config": c.label(batch=False),
+            "overrides": c.overrides(),
+            "fits": c.fits,
+            "total_bytes": c.memory.total_bytes,
+            "step_s": c.speed.step_s,
+            "tokens_per_s_per_gpu": c.tokens_per_s,
+            "mfu": c.speed.mfu,
+        }
+
+    why = why_first(ranked)
+    if ranked and ranked[0].setup.precision.name != setup.precision.name:
+        why.append(
+            f"(its precision is not the run's {setup.precision.name}: fp8, int8 and "
+            f"bf16-true change the numerics; precisions={setup.precision.name} keeps it)"
+        )
+    return {
+        "ranked": [row(c) for c in ranked[: o.top]],
+        "candidates": len(ranked),
+        "why": why,
+        "ruled_out": [row(c) for c in ruled_out],
     }
 
 
@@ -169,7 +273,8 @@ def render_text(p: dict) -> str:
     out = [
         f"{p['model']} ({p['n_params'] / 1e6:,.1f}M params) | strategy={p['strategy']} "
         f"precision={p['precision']} | {p['world_size']} x {p['gpu']} | micro-batch "
-        f"{p['micro_batch_size']} x {p['seq_len']} tokens, accumulation {p['grad_accum_steps']}"
+        f"{p['micro_batch_size']}{' (auto)' if p['micro_batch_auto'] else ''} x {p['seq_len']} "
+        f"tokens, accumulation {p['grad_accum_steps']}"
         f" | checkpointing {p['activation_checkpointing']}, compile {p['compile']}",
         "",
         "memory per GPU (rank 0)",
@@ -199,8 +304,66 @@ def render_text(p: dict) -> str:
         f"{hours(c['gpu_hours'])} GPU-hours ({hours(c['wall_hours'])} h on {p['world_size']})",
         "",
         p["summary"],
+        "",
+        *render_speed(p),
     ]
+    if "fastest" in p:
+        out += ["", *render_fastest(p["fastest"])]
     return "\n".join(out)
+
+
+def render_speed(p: dict) -> list[str]:
+    s = p["speed"]
+    step = s["step_s"]
+    parts = [
+        ("compute", s["compute_s"]),
+        ("recompute (activation checkpointing)", s["recompute_s"]),
+        ("exposed communication", s["exposed_comm_s"]),
+        ("optimizer step", s["optimizer_s"]),
+        ("other (data, launches)", s["other_s"]),
+    ]
+    mfu = "n/a" if s["mfu"] is None else f"{s['mfu']:.1%}"
+    out = [f"speed per GPU (figures: {s['machine']})"]
+    out += [f"  {k:<44}{1e3 * v:>9.1f} ms {v / step:>6.1%}" for k, v in parts]
+    out.append(f"  {'step':<44}{1e3 * step:>9.1f} ms")
+    for c in s["collectives"]:
+        out.append(
+            f"    {c['op']} of {c['tensor']} over {c['ranks']} ranks ({c['link']}): "
+            f"{c['bytes'] / 2**30:.2f} GiB, {1e3 * c['seconds']:.1f} ms, "
+            f"{1e3 * c['exposed_s']:.1f} exposed ({c['why']})"
+        )
+    out.append(
+        f"  {s['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"({s['tokens_per_s_per_gpu'] * p['world_size']:,.0f} on {p['world_size']}), "
+        f"MFU {mfu}"
+    )
+    out += [f"  note: {n}" for n in s["notes"]]
+    return out
+
+
+def render_fastest(f: dict) -> list[str]:
+    from dtrain.memory import fmt_bytes
+
+    out = [
+        f"fastest that fit with a 10% margin ({f['candidates']} candidates; tokens/s per GPU, "
+        "peak per GPU)"
+    ]
+    for i, c in enumerate(f["ranked"], 1):
+        out.append(
+            f"  {i}. {c['label']}: {c['tokens_per_s_per_gpu']:,.0f} tokens/s, "
+            f"{fmt_bytes(c['total_bytes'])}"
+        )
+        if i == 1:
+            out.append(f"     {' '.join(c['overrides'])}")
+    out += [f"  {'the first ' if line[0] != '(' else ''}{line}" for line in f["why"]]
+    if f["ruled_out"]:
+        out.append(
+            "  ruled out, nothing fits even at micro-batch 1: "
+            + "; ".join(f"{c['config']} ({fmt_bytes(c['total_bytes'])})" for c in f["ruled_out"])
+        )
+    if not f["ranked"]:
+        out.append("  nothing fits: more GPUs, a larger GPU or a shorter sequence")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

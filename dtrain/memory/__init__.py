@@ -10,7 +10,10 @@ saved for backward (activations.py: counted tensor by tensor), transient buffers
 overhead at the peak (plan.py, which also searches the largest micro-batch that fits). setup.py
 reads the planner's input from a TrainConfig, asking the strategy what its options mean;
 budget.py counts FLOPs and GPU-hours; report.py puts the plan in words, TensorBoard and
-metrics.jsonl. How each part is counted, and how it compares with GPUs: docs/memory.md.
+metrics.jsonl. The speed of a step: speed.py (on machine.py's datasheet or calibrated figures);
+search.py ranks configurations and resolves micro_batch_size=auto; advice.py turns an
+out-of-memory error into changes that fit (docs/planner.md). How each part is counted, and
+how it compares with GPUs: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -35,15 +38,26 @@ from dtrain.memory.plan import (
     plan_memory,
 )
 from dtrain.memory.report import (
+    PREDICTED_SPEED_KEY,
     PREDICTION_COMPARES,
     fmt_bytes,
     markdown_breakdown,
     predicted_record,
+    predicted_speed_record,
     prediction_error_pct,
     run_prediction,
+    run_speed_prediction,
     summary_text,
 )
-from dtrain.memory.setup import MemorySetup, check_setup, setup_from_config
+from dtrain.memory.setup import (
+    MemorySetup,
+    check_setup,
+    plan_precision,
+    planned_config,
+    resolve_vocab,
+    setup_from_config,
+)
+from dtrain.memory.speed import SpeedPlan, plan_speed
 from dtrain.memory.state import (
     ModelState,
     StateBytesPerElement,
@@ -65,6 +79,7 @@ __all__ = [
     "DDP_EXTRA_GRAD_BUFFERS",
     "DDP_SMALL_BUCKET_MB",
     "GPUS",
+    "PREDICTED_SPEED_KEY",
     "PREDICTION_COMPARES",
     "ComputeBudget",
     "GiB",
@@ -72,6 +87,7 @@ __all__ = [
     "MemoryPlan",
     "MemorySetup",
     "ModelState",
+    "SpeedPlan",
     "StateBytesPerElement",
     "ZeroPartition",
     "autocast_weight_bytes",
@@ -90,9 +106,15 @@ __all__ = [
     "param_shapes",
     "plan_memory",
     "predicted_record",
+    "predicted_speed_record",
     "prediction_error_pct",
     "quantized_inputs",
+    "plan_precision",
+    "plan_speed",
+    "planned_config",
+    "resolve_vocab",
     "run_prediction",
+    "run_speed_prediction",
     "setup_from_config",
     "state_bytes_per_element",
     "summary_text",

@@ -9,6 +9,10 @@ from dtrain.memory.plan import MemoryPlan, plan_memory
 from dtrain.memory.setup import MemorySetup, setup_from_config
 from dtrain.model import ModelConfig
 
+# The key of a run's predicted throughput in metrics.jsonl (the step-0 record and each logged
+# step) and in its summary, beside the measured `tokens_per_s_per_gpu`; compare reads it.
+from dtrain.reporting.summary import PREDICTED_SPEED_KEY
+
 
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
@@ -128,3 +132,43 @@ def markdown_breakdown(plan: MemoryPlan, text: str) -> str:
         f"| {k} | {fmt_bytes(v)} |" for k, v in rows
     )
     return table + "\n\n" + text
+
+
+def run_speed_prediction(
+    cfg, world_size: int, device, *, gpu=None, profile="auto", compile_enabled: bool | None = None
+):
+    """The speed plan of this run (a SpeedPlan; its `tokens_per_s_per_gpu` is what to log next
+    to the measured figure), or None where there is nothing to price it on (CPU, or a GPU
+    missing from dtrain.hardware's table without a profile). `gpu`: a GpuSpec (default: the
+    CUDA device's own); `profile`: auto (the calibrated profile of this GPU if one was
+    written), none, or a path."""
+    import torch
+
+    from dtrain.hardware import gpu_named
+    from dtrain.memory.machine import build_machine, find_profile
+    from dtrain.memory.setup import planned_config
+    from dtrain.memory.speed import plan_speed
+
+    device = torch.device(device)
+    if gpu is None and device.type == "cuda":
+        gpu = gpu_named(torch.cuda.get_device_name(device))
+    if gpu is None:
+        return None
+    cfg, _, setup = planned_config(cfg, world_size, "cuda")
+    if compile_enabled is not None:
+        setup = replace(setup, compile=compile_enabled)
+    return plan_speed(cfg.model, setup, build_machine(gpu, find_profile(gpu, profile)))
+
+
+def predicted_speed_record(speed) -> dict:
+    """What a run logs of its speed plan: the predicted tokens/s per GPU and the breakdown."""
+    keys = ("compute_s", "recompute_s", "exposed_comm_s", "comm_s", "optimizer_s", "other_s")
+    return {
+        PREDICTED_SPEED_KEY: speed.tokens_per_s_per_gpu,
+        "speed_predicted": {
+            **{k: getattr(speed, k) for k in keys},
+            "step_s": speed.step_s,
+            "mfu": speed.mfu,
+            "machine": speed.machine,
+        },
+    }

@@ -22,6 +22,7 @@ class MemorySetup:
     seq_len: int = 256
     activation_checkpointing: str = "none"
     compile: bool = False  # torch.compile (inductor) changes what backward keeps
+    compile_scope: str | None = None  # single/ddp: model | blocks (None: the strategy's default)
     reshard_after_forward: bool = True  # fsdp
     replicate_degree: int = 1  # fsdp: HSDP replicas (shard within world_size / replicate_degree)
     cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
@@ -95,3 +96,44 @@ def check_setup(cfg: ModelConfig, setup: MemorySetup) -> None:
         raise ConfigError(f"replicate_degree={rd} does not divide world_size={setup.world_size}")
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is unknown: set model.vocab_size=N to plan")
+
+
+def resolve_vocab(cfg) -> int:
+    """The model's vocab as the run would set it: model.vocab_size, else the tokenizer's."""
+    from dtrain.data.tokenizer import BPE_DEFAULT_VOCAB, ByteTokenizer, padded_vocab
+
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.source == "synthetic" and cfg.data.vocab_size:
+        return padded_vocab(cfg.data.vocab_size)
+    if cfg.data.tokenizer == "byte":
+        return padded_vocab(ByteTokenizer().vocab_size)
+    if cfg.data.tokenizer == "bpe":  # trained to exactly data.vocab_size tokens
+        return padded_vocab(cfg.data.vocab_size or BPE_DEFAULT_VOCAB)
+    raise ConfigError(
+        f"cannot tell the vocab of tokenizer {cfg.data.tokenizer!r} without loading it; "
+        "add model.vocab_size=N (e.g. 50304 for GPT-2's)"
+    )
+
+
+def plan_precision(cfg):
+    """The run's Precision, built for the planned device rather than this machine's, so fp8
+    and fp16 plan on a laptop too."""
+    import torch
+
+    from dtrain.config import PrecisionConfig
+    from dtrain.precision import build_precision
+
+    return build_precision(
+        PrecisionConfig(**cfg.precision.__dict__), torch.device("cpu"), check_device=False
+    )
+
+
+def planned_config(cfg, world_size: int, device: str = "cuda", rank: int = 0):
+    """(cfg with its vocab resolved, its Precision, its MemorySetup): what the planner's entry
+    points start from."""
+    from dataclasses import replace
+
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
+    precision = plan_precision(cfg)
+    return cfg, precision, setup_from_config(cfg, precision, world_size, device, rank)

@@ -17,6 +17,7 @@ from pathlib import Path
 GiB = 1024**3
 PARTS = ("params", "grads", "optim", "activations", "transient", "overhead")
 STATE_KEYS = ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes")
+PREDICTED_SPEED_KEY = "predicted_tokens_per_s_per_gpu"  # = dtrain.memory.PREDICTED_SPEED_KEY
 
 
 @dataclass
@@ -29,6 +30,9 @@ class RunSummary:
     device: str = "?"
     steps: int = 0
     tokens_per_s_per_gpu: float | None = None
+    # The speed plan's figure (metrics.jsonl key `predicted_tokens_per_s_per_gpu`, logged by
+    # runs that know their GPU: dtrain.memory.run_speed_prediction).
+    predicted_tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None
     final_loss: float | None = None
     final_eval_loss: float | None = None
@@ -36,6 +40,14 @@ class RunSummary:
     predicted_bytes: int | None = None  # the same quantity, predicted
     measured_kind: str = "peak_reserved"  # or model_state
     predicted_parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def speed_error_pct(self) -> float | None:
+        """100 x (predicted - measured) / measured tokens/s per GPU."""
+        if not self.tokens_per_s_per_gpu or self.predicted_tokens_per_s_per_gpu is None:
+            return None
+        measured = self.tokens_per_s_per_gpu
+        return 100.0 * (self.predicted_tokens_per_s_per_gpu - measured) / measured
 
     @property
     def error_pct(self) -> float | None:
@@ -51,6 +63,8 @@ class RunSummary:
             "final_loss": self.final_loss,
             "final_eval_loss": self.final_eval_loss,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "predicted_tokens_per_s_per_gpu": self.predicted_tokens_per_s_per_gpu,
+            "speed_prediction_error_pct": self.speed_error_pct,
             "mfu": self.mfu,
             f"measured_{kind}_gib": _gib(self.measured_bytes),
             f"predicted_{kind}_gib": _gib(self.predicted_bytes),
@@ -94,6 +108,8 @@ class SummaryBuilder:
             s.device = info.get("device", "?")
         if "memory_predicted" in r:
             self.pred = r["memory_predicted"]
+        if r.get(PREDICTED_SPEED_KEY) is not None:  # the step-0 record, or every logged step
+            s.predicted_tokens_per_s_per_gpu = r[PREDICTED_SPEED_KEY]
         if "eval_loss" in r:
             s.final_eval_loss = r["eval_loss"]
         if "loss" not in r:

@@ -10,7 +10,7 @@ from dtrain.config import StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.precision import Precision
-from dtrain.strategies.base import MemoryFacts, StateBytes, Strategy
+from dtrain.strategies.base import Collective, MemoryFacts, SpeedFacts, StateBytes, Strategy
 
 
 def _discover() -> dict[str, type[Strategy]]:
@@ -41,7 +41,9 @@ def build_strategy(cfg: StrategyConfig, precision: Precision, env: DistEnv) -> S
 
 __all__ = [
     "STRATEGIES",
+    "Collective",
     "MemoryFacts",
+    "SpeedFacts",
     "StateBytes",
     "Strategy",
     "build_strategy",

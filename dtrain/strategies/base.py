@@ -56,6 +56,37 @@ class MemoryFacts:
     graph_split_buckets: bool = False
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective a strategy runs each step, as the speed planner prices it (ring
+    algorithm: all-reduce moves 2(n-1)/n of the payload per rank, the others (n-1)/n)."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter
+    tensor: str  # whose elements travel: "params" or "grads" (of the whole model)
+    dtype: str  # the Precision's dtype on the wire: "compute" or "reduce"
+    # Which ranks take part: "world", "shard" (world / replicate_degree: HSDP's shard group)
+    # or "replicate" (replicate_degree ranks holding the same shard).
+    group: str = "world"
+    times: int = 1  # how often per micro-step (per_micro) or per optimizer step
+    per_micro: bool = False  # on every micro-step (gathers), else once per optimizer step
+    payload: str = "full"  # "full": the model's tensors; "shard": one shard group's slice
+    calls: str = "once"  # "blocks" (one per block + the root), "buckets" or "once": latency
+    overlap: float = 0.0  # share of its time run under compute (the rest is exposed)
+    window: str = "backward"  # the compute it can hide under: "backward" or "step" (fwd + bwd)
+    narrow_weights: bool = False  # fp8 (tensorwise) linear weights travel in 1 byte
+    why: str = ""  # one line: why that overlap
+
+
+@dataclass(frozen=True)
+class SpeedFacts:
+    """What a strategy costs besides the model's own FLOPs: what dtrain.memory.speed reads."""
+
+    collectives: tuple[Collective, ...] = ()
+    # What one compiled graph covers by default: "model" (one graph, maybe cut at gradient
+    # buckets: MemoryFacts.graph_split_buckets) or "blocks" (each block and the loss apart).
+    graph: str = "model"
+
+
 @dataclass
 class StateBytes:
     """Exact bytes of model state this rank holds (storage-deduplicated)."""
@@ -126,6 +157,7 @@ class Strategy:
     own_optimizer = False  # builds its optimizer itself rather than through dtrain.optim
     options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
     memory = MemoryFacts()
+    speed = SpeedFacts()
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.cfg, self.precision, self.env = cfg, precision, env
@@ -196,6 +228,12 @@ class Strategy:
         field names: its name, whether it compiles and the options it honours."""
         honoured = {key: getattr(cfg, key) for key in cls.options}
         return {**honoured, "strategy": cls.name, "compile": cls.compiles(cfg, device_type)}
+
+    @classmethod
+    def speed_facts(cls, name: str, setup) -> SpeedFacts:
+        """What strategy=<name> communicates per step for a planner setup (dtrain.memory's
+        MemorySetup: its options can change the collectives, e.g. FSDP's resharding)."""
+        return cls.speed
 
     # --- building ----------------------------------------------------------------------
     def configure(self, *, micro_batch_size: int, grad_accum_steps: int, grad_clip: float) -> None:

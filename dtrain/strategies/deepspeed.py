@@ -28,7 +28,9 @@ from dtrain.model import build_model
 from dtrain.optim import build_optimizer, param_groups
 from dtrain.precision import DTYPE_NAMES, Precision
 from dtrain.strategies.base import (
+    Collective,
     MemoryFacts,
+    SpeedFacts,
     StateBytes,
     Strategy,
     compile_blocks,
@@ -47,6 +49,59 @@ ZERO_MEMORY = {
         partition="flat",
         persistent_grads=True,
         **_ZERO,
+    ),
+}
+
+
+# What each stage communicates per step (DeepSpeed 0.19.8's stage_1_and_2.py / stage3.py).
+_ZERO_GATHER_UPDATED = Collective(
+    "all_gather",
+    "params",
+    "compute",
+    calls="buckets",
+    why="the updated 16-bit partitions are gathered after the step, before the next forward",
+)
+_ZERO_REDUCE = dict(op="reduce_scatter", tensor="grads", dtype="reduce", calls="buckets")
+ZERO_SPEED = {
+    "zero1": SpeedFacts(
+        (
+            Collective(
+                **_ZERO_REDUCE,
+                overlap=0.5,
+                why="with overlap_comm gradients move into "
+                "buckets as the backward produces them; the last buckets wait",
+            ),
+            _ZERO_GATHER_UPDATED,
+        ),
+        graph="blocks",
+    ),
+    "zero2": SpeedFacts(
+        (
+            Collective(
+                **_ZERO_REDUCE,
+                overlap=0.5,
+                why="buckets reduced during the backward (overlap_comm); the last buckets wait",
+            ),
+            _ZERO_GATHER_UPDATED,
+        ),
+        graph="blocks",
+    ),
+    "zero3": SpeedFacts(
+        (
+            Collective(
+                "all_gather",
+                "params",
+                "compute",
+                times=2,
+                per_micro=True,
+                calls="blocks",
+                overlap=0.9,
+                window="step",
+                why="DeepCompile prefetches each block's parameters under compute",
+            ),
+            Collective(**_ZERO_REDUCE, overlap=0.9, why="reduced during the backward"),
+        ),
+        graph="blocks",
     ),
 }
 
@@ -116,6 +171,10 @@ class DeepSpeedStrategy(Strategy):
     @classmethod
     def memory_facts(cls, name: str) -> MemoryFacts | None:
         return ZERO_MEMORY.get(name)  # strategy=deepspeed is planned as the zeroN of its stage
+
+    @classmethod
+    def speed_facts(cls, name: str, setup) -> SpeedFacts:
+        return ZERO_SPEED.get(name, cls.speed)  # planned by stage (zeroN), as memory_facts
 
     @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:

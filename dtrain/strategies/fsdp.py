@@ -32,7 +32,7 @@ from dtrain.precision import (
     build_precision_optimizer,
     post_step_hook,
 )
-from dtrain.strategies.base import MemoryFacts, Strategy, compile_blocks
+from dtrain.strategies.base import Collective, MemoryFacts, SpeedFacts, Strategy, compile_blocks
 
 # Selective activation checkpointing keeps the outputs of these (the expensive ops: matmuls and
 # attention) and recomputes everything else (norms, activations, RoPE: cheap, memory-bound).
@@ -79,6 +79,47 @@ def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
     return optim_cfg
 
 
+# Per block: gather its parameters for the forward and again for the backward (prefetched one
+# block ahead), reduce-scatter its gradients after its backward; HSDP then all-reduces each
+# shard across the replicas. The root group's gathers and the first block's reduction have
+# nothing left to hide under.
+FSDP_GATHER = Collective(
+    "all_gather",
+    "params",
+    "compute",
+    group="shard",
+    times=2,
+    per_micro=True,
+    calls="blocks",
+    overlap=0.8,
+    window="step",
+    narrow_weights=True,
+    why="the next block's gather is prefetched under this block's compute (fitted: 1b, 2x H200)",
+)
+FSDP_COLLECTIVES = (
+    FSDP_GATHER,
+    Collective(
+        "reduce_scatter",
+        "grads",
+        "reduce",
+        group="shard",
+        calls="blocks",
+        overlap=0.8,
+        why="each block's reduce-scatter runs under the backward of the blocks before it",
+    ),
+    Collective(
+        "all_reduce",
+        "grads",
+        "reduce",
+        group="replicate",
+        payload="shard",
+        calls="blocks",
+        overlap=0.8,
+        why="HSDP: each shard's all-reduce follows its reduce-scatter, overlapped",
+    ),
+)
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp")  # hsdp: conf/strategy/hsdp.yaml sets replicate_degree > 1
@@ -92,6 +133,15 @@ class FSDPStrategy(Strategy):
     memory = MemoryFacts(
         autocast=False, shards=frozenset({"params", "grads", "optim"}), partition="dim0"
     )
+    speed = SpeedFacts(collectives=FSDP_COLLECTIVES, graph="blocks")
+
+    @classmethod
+    def speed_facts(cls, name: str, setup) -> SpeedFacts:
+        if getattr(setup, "reshard_after_forward", True):
+            return cls.speed
+        # Blocks stay gathered from their forward to their backward: one gather per micro-step.
+        once = replace(FSDP_GATHER, times=1)
+        return replace(cls.speed, collectives=(once, *FSDP_COLLECTIVES[1:]))
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:

@@ -1,0 +1,274 @@
+"""The plan picks: every strategy x precision x micro-batch x activation checkpointing (x HSDP
+replicate degree) that fits, ranked by predicted tokens/s per GPU; and `micro_batch_size=auto`.
+
+Candidates are planned with the same memory and speed models as a single plan; what a strategy
+can run is asked of the strategy (its precisions, options and world-size checks), never decided
+here by its name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from dtrain.config import StrategyConfig
+from dtrain.errors import ConfigError, UserError
+from dtrain.hardware import GiB
+from dtrain.memory.machine import Machine
+from dtrain.memory.plan import MemoryPlan, largest_micro_batch, plan_memory
+from dtrain.memory.setup import MemorySetup, planned_config
+from dtrain.memory.speed import QUANT_SPEED, SpeedPlan, plan_speed
+from dtrain.model import ModelConfig
+from dtrain.precision import PRECISIONS
+from dtrain.strategies import STRATEGIES
+
+# trainer.micro_batch_size=auto keeps this share of the GPU free: the plan's peak reserved was
+# within -12.6%..+2.1% of the measured one on every GPU point so far (docs/memory.md).
+AUTO_MICRO_BATCH_MARGIN = 0.10
+# Reference implementations, searched only when asked for (precisions=...).
+NOT_SEARCHED = ("int8-torchao",)
+
+
+@dataclass
+class Candidate:
+    """One configuration, planned: its memory per GPU and its step."""
+
+    setup: MemorySetup
+    memory: MemoryPlan
+    speed: SpeedPlan
+    capacity_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= self.capacity_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.speed.tokens_per_s_per_gpu
+
+    def label(self, batch: bool = True) -> str:
+        s = self.setup
+        parts = [s.strategy, s.precision.name]
+        if batch:
+            parts.append(f"micro-batch {s.micro_batch_size}")
+        if batch and s.grad_accum_steps > 1:
+            parts.append(f"x{s.grad_accum_steps} accumulation")
+        if s.activation_checkpointing != "none":
+            parts.append(f"checkpointing {s.activation_checkpointing}")
+        if s.replicate_degree > 1:
+            parts.append(f"{s.replicate_degree} replicas")
+        parts += [key for key in ("cpu_offload", "offload_optimizer") if getattr(s, key)]
+        return ", ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The training overrides that run this candidate."""
+        s = self.setup
+        out = [
+            f"strategy={s.strategy}",
+            f"precision={s.precision.name}",
+            f"trainer.micro_batch_size={s.micro_batch_size}",
+            f"trainer.grad_accum_steps={s.grad_accum_steps}",
+        ]
+        if s.activation_checkpointing != "none":
+            out.append(f"strategy.activation_checkpointing={s.activation_checkpointing}")
+        if s.replicate_degree > 1:
+            out.append(f"strategy.replicate_degree={s.replicate_degree}")
+        out += [f"strategy.{k}=true" for k in ("cpu_offload", "offload_optimizer") if getattr(s, k)]
+        return out
+
+
+def evaluate(cfg: ModelConfig, setup: MemorySetup, machine: Machine, capacity: int) -> Candidate:
+    return Candidate(setup, plan_memory(cfg, setup), plan_speed(cfg, setup, machine), capacity)
+
+
+def searched_strategies(world_size: int, names=None) -> list[str]:
+    """Registry names that can be planned at this world size, one per way of holding memory
+    (aliases such as hsdp, the same class and facts as fsdp, are searched through their
+    options)."""
+    out, seen = [], []
+    for name, cls in STRATEGIES.items():
+        facts = cls.memory_facts(name)
+        if facts is None or (names is not None and name not in names):
+            continue
+        if cls.needs_distributed != (world_size > 1) or (cls, facts) in seen:
+            continue
+        seen.append((cls, facts))
+        out.append(name)
+    return out
+
+
+def _variants(name: str, world_size: int, precisions, machine: Machine):
+    """(precision, activation checkpointing, replicate degree) the strategy accepts."""
+    cls = STRATEGIES[name]
+    accepts = [p for p in precisions if p in cls.precisions]
+    checkpointing = ("none", "full", "selective")
+    if "activation_checkpointing" not in cls.options:
+        checkpointing = ("none",)
+    degrees = [1]
+    if "replicate_degree" in cls.options:
+        degrees += [r for r in range(2, world_size) if world_size % r == 0]
+    for p in accepts:
+        pr = PRECISIONS[p]
+        q = QUANT_SPEED.get(pr.quantize)
+        if q is not None and not machine.peak_flops.get(q.kind):
+            continue  # no tensor cores for it on this GPU
+        for ac in checkpointing:
+            for r in degrees:
+                scfg = StrategyConfig(name=name, activation_checkpointing=ac, replicate_degree=r)
+                try:
+                    cls.check_config(scfg, pr, "cuda")
+                    cls.check_world(scfg, world_size)
+                except UserError:
+                    continue
+                yield pr, ac, r
+
+
+def _micro_batches(largest: int, global_batch: int | None, world_size: int, accum: int):
+    """(micro-batch, accumulation) pairs to try: powers of two up to the largest that fits and
+    that largest; with a global batch, those that serve it exactly."""
+    if largest < 1:
+        return
+    sizes = sorted({2**k for k in range(largest.bit_length()) if 2**k <= largest} | {largest})
+    for mb in sizes:
+        if global_batch is None:
+            yield mb, accum
+        elif global_batch % (mb * world_size) == 0:
+            yield mb, global_batch // (mb * world_size)
+
+
+def search(
+    cfg: ModelConfig,
+    base: MemorySetup,
+    machine: Machine,
+    capacity: int,
+    *,
+    strategies=None,
+    precisions=None,
+    global_batch: int | None = None,
+    margin: float = AUTO_MICRO_BATCH_MARGIN,
+):
+    """(candidates that fit `capacity` less `margin`, fastest first; the configurations where
+    nothing fits)."""
+    capacity = int(capacity * (1 - margin))
+    precisions = precisions or [p for p in PRECISIONS if p not in NOT_SEARCHED]
+    fitting, ruled_out = [], []
+    for name in searched_strategies(base.world_size, strategies):
+        for pr, ac, r in _variants(name, base.world_size, precisions, machine):
+            setup = replace(
+                base,
+                strategy=name,
+                precision=pr,
+                activation_checkpointing=ac,
+                replicate_degree=r,
+                micro_batch_size=1,
+                grad_accum_steps=1,
+            )
+            largest = largest_micro_batch(cfg, setup, capacity, limit=1024)
+            tried = []
+            for mb, accum in _micro_batches(
+                largest, global_batch, base.world_size, base.grad_accum_steps
+            ):
+                c = evaluate(
+                    cfg,
+                    replace(setup, micro_batch_size=mb, grad_accum_steps=accum),
+                    machine,
+                    capacity,
+                )
+                tried.append(c)
+            if tried:
+                fitting += tried
+            else:
+                ruled_out.append(evaluate(cfg, setup, machine, capacity))
+    fitting.sort(key=lambda c: (-c.tokens_per_s, c.memory.total_bytes))
+    return fitting, ruled_out
+
+
+def _parts(c: Candidate) -> dict[str, float]:
+    s = c.speed
+    return {
+        "compute": s.compute_s,
+        "recompute": s.recompute_s,
+        "exposed communication": s.exposed_comm_s,
+        "optimizer": s.optimizer_s,
+        "other": s.other_s,
+    }
+
+
+def why_first(ranked: list[Candidate], n: int = 3) -> list[str]:
+    """A few lines: why the first candidate beats the best of each other configuration (the
+    same strategy, precision, checkpointing and replicas at a smaller micro-batch is no news),
+    per token, by the parts of the step that differ most."""
+    if not ranked:
+        return []
+    first = ranked[0]
+    key = lambda c: (
+        c.setup.strategy,
+        c.setup.precision.name,  # noqa: E731
+        c.setup.activation_checkpointing,
+        c.setup.replicate_degree,
+    )
+    seen, others = {key(first)}, []
+    for c in ranked[1:]:
+        if key(c) not in seen:
+            seen.add(key(c))
+            others.append(c)
+    lines = []
+    for c in others[:n]:
+        gap = 100 * (first.tokens_per_s / c.tokens_per_s - 1)
+        a, b = _parts(first), _parts(c)
+        # Per token, so that runs of different micro-batches compare.
+        diff = {k: (a[k] / first.speed.tokens_per_step - b[k] / c.speed.tokens_per_step) for k in a}
+        top = sorted(diff, key=lambda k: diff[k])[:2]
+        why = ", ".join(f"{-1e9 * diff[k]:.1f} ns less {k}" for k in top if diff[k] < 0)
+        lines.append(
+            f"beats {c.label()} ({c.tokens_per_s:,.0f} tokens/s/GPU) by {gap:.1f}%: "
+            f"per token {why or 'nothing; it ranks by memory'}"
+        )
+    return lines
+
+
+def resolve_auto_micro_batch(
+    cfg,
+    world_size: int,
+    device,
+    *,
+    gpu=None,
+    capacity_bytes: int | None = None,
+    margin: float = AUTO_MICRO_BATCH_MARGIN,
+) -> int:
+    """trainer.micro_batch_size=auto: the largest micro-batch whose planned peak fits the
+    device with `margin` of it left free (with trainer.global_batch_size: the largest that also
+    divides it). The device's capacity: `capacity_bytes`, else `gpu`'s (a GpuSpec), else what
+    CUDA reports for `device`, else the host's memory on CPU. ConfigError if none fits."""
+    device_type = getattr(device, "type", str(device)).split(":")[0]
+    t = cfg.trainer
+    one = replace(
+        cfg, trainer=replace(t, micro_batch_size=1, grad_accum_steps=1, global_batch_size=None)
+    )
+    cfg1, _, setup = planned_config(one, world_size, device_type)
+    total = capacity_bytes or (gpu.memory_bytes if gpu is not None else _capacity(device))
+    usable = int(total * (1 - margin))
+    best = largest_micro_batch(cfg1.model, setup, usable, limit=4096)
+    accum = t.grad_accum_steps
+    for mb in range(best, 0, -1):
+        if t.global_batch_size is None:
+            return mb
+        if t.global_batch_size % (mb * world_size) == 0:
+            accum = t.global_batch_size // (mb * world_size)
+            fits = replace(setup, micro_batch_size=mb, grad_accum_steps=accum)
+            if plan_memory(cfg1.model, fits).total_bytes <= usable:
+                return mb
+    need = plan_memory(cfg1.model, setup).total_bytes
+    raise ConfigError(
+        f"trainer.micro_batch_size=auto: no micro-batch fits; micro-batch 1 needs "
+        f"{need / GiB:.1f} GiB of {usable / GiB:.1f} GiB ({total / GiB:.1f} GiB less "
+        f"{margin:.0%} margin); see python -m dtrain.cli.plan objective=fastest"
+    )
+
+
+def _capacity(device) -> int:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
