@@ -558,30 +558,6 @@ def validate_reliability(cfg: TrainConfig) -> None:
             )
 
 
-def check_run_dir(run_dir: str | Path) -> None:
-    """The run dir must be creatable and writable, checked without writing anything.
-
-    Root ignores permission bits, so this walks up to the nearest existing ancestor and asks
-    access(2), which still reports read-only file systems; a file in the way is caught too.
-    """
-    import os
-
-    path = Path(run_dir).absolute()
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(
-            f"run dir {run_dir} cannot be created: {probe} is a file, not a directory; "
-            "choose another hydra.run.dir"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"run dir {run_dir} is not writable ({probe} is read-only or not ours); "
-            "choose another hydra.run.dir"
-        )
-
-
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:
     """Micro-steps per optimizer step, from global_batch_size when it is set."""
     if t.global_batch_size is None:
@@ -668,27 +644,3 @@ def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
     with open_dict(dcfg):
         dcfg.run_dir = run_dir
     return from_dictconfig(dcfg)
-
-
-def check_overrides(argv: list[str]) -> TrainConfig | None:
-    """Validate a launch command line before Hydra runs (and creates the run dir).
-
-    Returns the config, or None for what only Hydra itself can check (--multirun sweeps,
-    --help, --cfg, ...). Also refuses to overwrite another run's checkpoints.
-    """
-    if any(a.startswith("-") for a in argv):
-        return None
-    cfg = compose(list(argv))
-    check_run_dir(cfg.run_dir)
-    ckpts = Path(cfg.run_dir) / "checkpoints"
-    if cfg.resume not in RESUME_CHOICES:
-        from dtrain.checkpoint import CheckpointManager, check_newer
-
-        manifest = CheckpointManager.read_manifest(Path(cfg.resume))  # complete and intact?
-        check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
-    if cfg.resume == "never" and ckpts.is_dir() and any(ckpts.glob("step_*")):
-        raise ConfigError(
-            f"run dir {cfg.run_dir} already holds checkpoints; resume=never would overwrite "
-            "them: use resume=auto to continue that run, or a new hydra.run.dir"
-        )
-    return cfg

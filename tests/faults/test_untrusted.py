@@ -344,9 +344,9 @@ def test_model_init_from_reads_no_dtrain_checkpoint_and_no_pickle(planted, tmp_p
     """model.init_from imports Hugging Face directories only, and only their safetensors."""
     import torch
 
-    from dtrain.config import check_overrides
     from dtrain.hf import CONFIG, INDEX, hf_config
     from dtrain.model import ModelConfig
+    from dtrain.run.preflight import check_overrides
     from dtrain.train import run
 
     run_dir, bad, proof = planted[LR]
@@ -392,7 +392,7 @@ def test_manifest_json_cannot_carry_code(ckpt, tmp_path):
     """The data position, step, identity and run config are JSON: json.loads makes dicts,
     lists, strings, numbers, booleans and None, nothing that runs. A pickle in its place is an
     unreadable manifest; hostile values in it run no code and end in one line (UserError)."""
-    from dtrain.config import check_overrides
+    from dtrain.run.preflight import check_overrides
     from dtrain.train import run
 
     proof = tmp_path / "pwned"
