@@ -120,3 +120,41 @@ def test_every_number_in_the_schema_has_a_range():
     missing = set(numeric(TrainConfig)) - set(RANGES) - elsewhere
     assert not missing, f"add a range to config.RANGES for: {sorted(missing)}"
     assert set(RANGES) <= set(numeric(TrainConfig)), set(RANGES) - set(numeric(TrainConfig))
+
+
+def _literal_keys(cls, prefix=""):
+    """(dotted key, its choices) of every Literal-typed field of the schema."""
+    import dataclasses
+    import typing
+
+    from dtrain.config import choices_of
+
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _literal_keys(tp, f"{prefix}{f.name}.")
+        elif choices_of(tp) is not None:
+            yield f"{prefix}{f.name}", choices_of(tp)
+
+
+LITERALS = list(_literal_keys(TrainConfig))
+
+
+@pytest.mark.parametrize("key,choices", LITERALS, ids=[k for k, _ in LITERALS])
+def test_every_choice_is_checked_from_its_type(key, choices):
+    """A Literal-typed key refuses anything else in one line naming the choices, and every
+    choice it lists passes."""
+    from dtrain.config import say_choices
+
+    data: dict = {}
+    node = data
+    *groups, leaf = key.split(".")
+    for group in groups:
+        node = node.setdefault(group, {})
+    node[leaf] = "bogus"
+    with pytest.raises(ConfigError) as e:
+        from_dict(data)
+    assert str(e.value) == f"{key}='bogus' is not valid; choose {say_choices(choices)}"
+    for choice in choices:
+        node[leaf] = choice
+        from_dict(data)
