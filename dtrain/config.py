@@ -616,18 +616,34 @@ def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
 PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "int8_grad_weight")
 
 
+def schema_defaults(cls: type) -> dict:
+    """A config dataclass's fields at their declared defaults, before __post_init__ derives
+    any (ModelConfig's n_kv_head and ffn_hidden stay null, to follow n_head and d_model)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = schema_defaults(hints[f.name])
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def register_config_bases() -> None:
-    """The bases that conf/strategy and conf/precision files extend (`strategy_base`,
-    `precision_base`): their schema's defaults, so each default is written once, here, and a
-    file lists only what differs."""
+    """The bases that conf/ files extend: `<group>_base` for each group's files and
+    `train_base` for train.yaml's own sections, each the schema's defaults; so every default
+    is written once, here, and a file lists only what differs."""
     from hydra.core.config_store import ConfigStore
 
-    strategy = dataclasses.asdict(StrategyConfig())
-    precision = dataclasses.asdict(PrecisionConfig())
+    train = schema_defaults(TrainConfig)
+    del train["run_dir"]  # Hydra's output dir: train.yaml sets it
     for key in PRECISION_OWN_KEYS:
-        del precision[key]
-    ConfigStore.instance().store(name="strategy_base", node=strategy)
-    ConfigStore.instance().store(name="precision_base", node=precision)
+        del train["precision"][key]
+    for group in GROUPS:
+        ConfigStore.instance().store(name=f"{group}_base", node=train.pop(group))
+    ConfigStore.instance().store(name="train_base", node=train)
 
 
 def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:

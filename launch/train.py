@@ -24,7 +24,7 @@ from dtrain.errors import FaultError, UserError, fail  # noqa: E402
 from dtrain.run.preflight import check_overrides  # noqa: E402
 from dtrain.rundir import acquire as acquire_run_dir  # noqa: E402
 
-register_config_bases()  # what conf/strategy and conf/precision files extend
+register_config_bases()  # the schema defaults that conf/ files extend
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")

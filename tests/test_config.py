@@ -158,3 +158,39 @@ def test_every_choice_is_checked_from_its_type(key, choices):
     for choice in choices:
         node[leaf] = choice
         from_dict(data)
+
+
+def _restated(data: dict, base: dict, prefix: str = "") -> list[str]:
+    """Keys of `data` whose value is the one `base` has: defaults written a second time."""
+    out = []
+    for key, value in data.items():
+        if key not in base:
+            continue
+        if isinstance(value, dict) and isinstance(base[key], dict):
+            out += _restated(value, base[key], f"{prefix}{key}.")
+        elif value == base[key] and key != "name":  # a file names its choice
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_every_default_is_written_once():
+    """Defaults live in the schema (dtrain/config.py); a conf/ file extends its base and lists
+    only what differs, so a default cannot drift between a dataclass and a YAML copy of it."""
+    from omegaconf import OmegaConf
+
+    from dtrain.config import CONF_DIR, PRECISION_OWN_KEYS, schema_defaults
+
+    defaults = schema_defaults(TrainConfig)
+    for key in PRECISION_OWN_KEYS:  # not in precision_base: the precisions that own them say so
+        del defaults["precision"][key]
+    files = [(CONF_DIR / "train.yaml", defaults)]
+    files += [(f, defaults[g]) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
+    for path, base in files:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        data.pop("hydra", None)
+        data.pop("defaults", None)
+        assert not _restated(data, base), f"{path} restates defaults: {_restated(data, base)}"
+    # train.yaml's own sections are the schema's, as composed.
+    cfg = compose()
+    for key in ("trainer", "metrics", "inspect", "profile", "debug", "seed", "resume"):
+        assert getattr(cfg, key) == getattr(TrainConfig(), key), key
