@@ -4,36 +4,28 @@
 whole run (Inductor fixes SDPA's kernel when it traces, so this must hold while the model is
 compiled); every other kernel stays enabled behind it, in the order torch had, for the shapes
 the named one cannot take (a decoding step's offset causal mask, an unsupported head size).
-Measured at the 1b model's shape (bench/attention_kernels.py, H100, torch 2.11, forward and
-backward): torch's own pick there is cuDNN, 425 TFLOP/s, against flash 226, memory-efficient
-120 and math 16, all within 0.5% of an fp32 reference. So `auto` is the fast kernel on Hopper;
+`auto` is the fastest on Hopper (torch picks cuDNN; docs/benchmarks.md, "attention kernels");
 naming one is for comparing kernels or stepping around a kernel's bug.
 """
 
 from __future__ import annotations
 
 import contextlib
+import typing
 
 import torch
 import torch.compiler.config as compiler_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dtrain.errors import ConfigError
+from dtrain.config import AttentionKernel
 
+KERNELS = typing.get_args(AttentionKernel)  # trainer.attention_kernel; auto: torch's choice
 _BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-KERNELS = ("auto", *_BACKENDS)  # auto: torch's own choice
-
-
-def check_kernel(name: str) -> None:
-    if name not in KERNELS:
-        raise ConfigError(
-            f"trainer.attention_kernel={name!r} is not valid; choose {', '.join(KERNELS)}"
-        )
 
 
 @contextlib.contextmanager

@@ -349,7 +349,7 @@ class CheckpointManager:
     ):
         self.root = Path(run_dir) / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self._verified: set[Path] = set()  # checked by find_resumable: not hashed twice
+        self._verified: set[Path] = set()  # checked already (find_resumable, trust)
         self.rejected: list[Path] = []  # skipped by find_resumable, newest first
         self.timeout_s = timeout_s  # of the background saves' collectives
         self._in_flight: _InFlight | None = None  # at most one async save at a time
@@ -703,6 +703,11 @@ class CheckpointManager:
             set_rng_state(rng)
         return manifest
 
+    def trust(self, path: Path) -> None:
+        """Count `path` as verified, e.g. by rank 0's find_resumable: load() does not hash it
+        again (checkpoint.verify reads every byte, which is minutes for a large model)."""
+        self._verified.add(Path(path))
+
     def find_resumable(self, accept=None) -> tuple[Path, dict] | None:
         """resume=auto: the newest checkpoint folder that passes every check.
 
@@ -735,7 +740,7 @@ class CheckpointManager:
                         "%s; %s", e, f"falling back to {nxt}" if nxt else "no older checkpoint"
                     )
                 continue
-            self._verified.add(path)
+            self.trust(path)
             return path, manifest
         if not found:
             return None

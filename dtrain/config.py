@@ -14,11 +14,22 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dtrain.attention import check_kernel
 from dtrain.errors import ConfigError
 from dtrain.model import ModelConfig
+from dtrain.preemption import STOP_SIGNALS
+
+# The choices of the config's string keys: validate() checks every Literal-typed field
+# against its own (check_choices), so a choice is written once, in its type.
+Device = Literal["auto", "cpu", "cuda"]
+AttentionKernel = Literal["auto", "cudnn", "flash", "efficient", "math"]  # auto: torch's pick
+ActivationCheckpointingMode = Literal["none", "full", "selective"]
+CompileScope = Literal["model", "blocks"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+OnError = Literal["stop", "continue"]
+OnNonfinite = Literal["skip", "stop"]
+WandbMode = Literal["offline", "online", "disabled"]
 
 
 @dataclass
@@ -59,14 +70,14 @@ class StrategyConfig:
     compile: bool | None = None  # None: compile on CUDA, eager on CPU
     # single/ddp: what compile covers, `model` (one graph) or `blocks` (each block + the loss);
     # None: the strategy's default (single and ddp: model). fsdp/deepspeed: blocks always.
-    compile_scope: str | None = None
+    compile_scope: CompileScope | None = None
     # DDP's gradient buckets (DeepSpeed's presets set their own, 2000); see DDP_BUCKET_MB.
     bucket_cap_mb: int = DDP_BUCKET_MB
     # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like); false keeps
     # them until the backward (ZeRO-2-like: more memory, one all-gather less per step).
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer step on the CPU
-    activation_checkpointing: str = "none"  # fsdp: none | full | selective (per block)
+    activation_checkpointing: ActivationCheckpointingMode = "none"  # fsdp: per block
     replicate_degree: int = 1  # fsdp: > 1 is HSDP (replicate across groups, shard within)
     stage: int | None = None  # deepspeed: ZeRO stage 1, 2 or 3 (zero1/2/3 set it)
     offload_optimizer: bool = False  # deepspeed: optimizer states and step on the CPU
@@ -80,7 +91,7 @@ class PrecisionConfig:
     name: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls on GPUs for fp32
     optimizer_8bit: bool = False  # AdamW moments in 8 bits (torchao AdamW8bit)
-    fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise | rowwise scales
+    fp8_recipe: Fp8Recipe = "tensorwise"  # precision=fp8: per-tensor or per-row scales
     fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
@@ -109,14 +120,13 @@ class CheckpointConfig:
     save_final: bool = True
     # A save that fails (disk full, unwritable dir): stop the run, or warn and keep training
     # (the previous complete checkpoint stays the resume point).
-    on_error: str = "stop"  # stop | continue
+    on_error: OnError = "stop"
     verify: bool = True  # check every file's sha256 against the manifest before loading
     # resume=PATH into a run dir holding later checkpoints: false refuses to start (they
     # would be overwritten or pruned); true deletes them once the resume point is loaded.
     overwrite_newer: bool = False
     # Periodic saves written in the background (torch.distributed.checkpoint.async_save): the
-    # loop waits only for the copy of the state to host memory. Off until the stall on GPUs is
-    # measured (bench/async_ckpt.sh); meant to become the default on CUDA once it is.
+    # loop waits only for the copy of the state to host memory. Off until measured on GPUs.
     async_save: bool = False
 
 
@@ -137,18 +147,17 @@ class TrainerConfig:
     log_every: int = 10
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     progress_bar: bool = True
-    device: str = "auto"  # auto | cpu | cuda
-    # The kernel scaled_dot_product_attention tries first (dtrain.attention): auto (torch's
-    # pick) | cudnn | flash | efficient | math.
-    attention_kernel: str = "auto"
+    device: Device = "auto"
+    # The kernel scaled_dot_product_attention tries first (dtrain.attention).
+    attention_kernel: AttentionKernel = "auto"
     # CUDA caching allocator with expandable segments (dtrain.dist.allocator_settings), unless
     # the user set PYTORCH_[CUDA_]ALLOC_CONF: less memory held by fragmentation, same speed.
     expandable_segments: bool = True
     # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
     # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
-    on_nonfinite: str = "stop"  # skip | stop
+    on_nonfinite: OnNonfinite = "stop"
     # Signals that mean "save a checkpoint and exit 0" (preemption; Slurm's --signal=USR1@90).
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
     # A collective that waits longer than this names the missing rank and stops the run.
     collective_timeout_s: float = 600.0
 
@@ -170,7 +179,7 @@ class WandbConfig:
     project: str = "dtrain"
     entity: str | None = None
     name: str | None = None  # None: the run's configuration name (strategy-precision-wN-model)
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = "offline"
     dir: str | None = None  # None: the run dir (its wandb/ folder)
     tags: list[str] = field(default_factory=list)
 
@@ -185,9 +194,6 @@ class MlflowConfig:
     tracking_uri: str | None = None
     experiment: str = "dtrain"
     run_name: str | None = None  # None: the run's configuration name
-
-
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
@@ -259,6 +265,8 @@ class TrainConfig:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (list, tuple):
         return "a list"
+    if typing.get_origin(tp) is Literal:
+        return _type_name(type(typing.get_args(tp)[0]))
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args:
         return " or ".join(_type_name(a) for a in args)
@@ -296,6 +304,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
     elif tp is Any:
         return value
+    elif origin is Literal:  # its choices are checked with the others (check_choices)
+        return _coerce(value, type(typing.get_args(tp)[0]), key)
     elif origin in (list, tuple):
         if isinstance(value, (list, tuple)):
             (inner,) = typing.get_args(tp)[:1] or (Any,)
@@ -359,7 +369,7 @@ def from_dictconfig(dcfg: Any) -> TrainConfig:
 
 RESUME_CHOICES = ("auto", "never")
 AUTO = "auto"  # trainer.micro_batch_size: resolved by the memory plan before the run is built
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = typing.get_args(ActivationCheckpointingMode)
 
 # The valid range of every number in the schema, in one place. validate() checks each value
 # set (None means "unset" and passes) and refuses any non-finite float: NaN fails every
@@ -438,6 +448,38 @@ def _leaves(node: Any, prefix: str = ""):
             yield f"{prefix}{f.name}", value
 
 
+def choices_of(tp: Any) -> tuple | None:
+    """The values a Literal-typed field may hold (None among them if it is optional)."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
+            return (*typing.get_args(inner[0]), None)
+    return None
+
+
+def say_choices(choices: tuple) -> str:
+    """Two choices read "a or b"; longer lists are comma-separated, as the registries' are."""
+    names = ["null" if c is None else str(c) for c in choices]
+    return " or ".join(names) if len(names) == 2 else ", ".join(names)
+
+
+def check_choices(cfg: Any, prefix: str = "") -> None:
+    """Every Literal-typed field of `cfg` holds one of its choices: one line naming the key,
+    the value and the choices."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_choices(value, f"{key}.")
+            continue
+        choices = choices_of(hints[f.name])
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid; choose {say_choices(choices)}")
+
+
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Every number of `cfg` finite and within RANGES: one line naming key, value and range."""
     for key, value in _leaves(cfg, prefix):
@@ -463,13 +505,11 @@ def validate(cfg: TrainConfig) -> None:
             f"trainer.micro_batch_size must be a positive integer or {AUTO}, "
             f"got {t.micro_batch_size!r}"
         )
+    check_choices(cfg)
     if t.stop_at_step is not None and t.stop_at_step > t.max_steps:
         raise ConfigError(
             f"trainer.stop_at_step={t.stop_at_step} is past trainer.max_steps={t.max_steps}"
         )
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.device={t.device!r} is not valid; choose auto, cpu or cuda")
-    check_kernel(t.attention_kernel)
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by n_head={m.n_head}")
     if m.head_dim % 2 and m.rope:
@@ -503,14 +543,10 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
 
 
 def validate_loggers(mc: MetricsConfig) -> None:
-    """A logger that is on must have a valid mode and its library installed (checked without
-    importing it, on every rank, before anything is written)."""
+    """A logger that is on must have its library installed (checked without importing it,
+    on every rank, before anything is written)."""
     import importlib.util
 
-    if mc.wandb.mode not in WANDB_MODES:
-        raise ConfigError(
-            f"metrics.wandb.mode={mc.wandb.mode!r} is not valid; choose {', '.join(WANDB_MODES)}"
-        )
     for key, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
         if getattr(mc, key).enabled and importlib.util.find_spec(module) is None:
             raise ConfigError(
@@ -519,44 +555,18 @@ def validate_loggers(mc: MetricsConfig) -> None:
             )
 
 
-COMPILE_SCOPES = ("model", "blocks")
-
-
 def _validate_strategy(s: StrategyConfig) -> None:
-    """Ranges and choices; which strategy honours which option is checked by the strategy."""
-    if s.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise ConfigError(
-            f"strategy.activation_checkpointing={s.activation_checkpointing!r} is not valid; "
-            f"choose {', '.join(ACTIVATION_CHECKPOINTING)}"
-        )
+    """What ranges and choices cannot say; which strategy honours which option is checked by
+    the strategy."""
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
-    if s.compile_scope is not None and s.compile_scope not in COMPILE_SCOPES:
-        raise ConfigError(
-            f"strategy.compile_scope={s.compile_scope!r} is not valid; "
-            f"choose {', '.join(COMPILE_SCOPES)}"
-        )
-
-
-ON_ERROR_CHOICES = ("stop", "continue")
-ON_NONFINITE_CHOICES = ("skip", "stop")
 
 
 def validate_reliability(cfg: TrainConfig) -> None:
-    """Checks of the fault-handling keys (checkpoint.on_error, trainer.on_nonfinite, ...)."""
+    """trainer.stop_signals: names of signals this process can catch."""
     import signal
 
     t = cfg.trainer
-    if cfg.checkpoint.on_error not in ON_ERROR_CHOICES:
-        raise ConfigError(
-            f"checkpoint.on_error={cfg.checkpoint.on_error!r} is not valid; "
-            f"choose {' or '.join(ON_ERROR_CHOICES)}"
-        )
-    if t.on_nonfinite not in ON_NONFINITE_CHOICES:
-        raise ConfigError(
-            f"trainer.on_nonfinite={t.on_nonfinite!r} is not valid; "
-            f"choose {' or '.join(ON_NONFINITE_CHOICES)}"
-        )
     valid = sorted(s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP"))
     for name in t.stop_signals:
         if name not in valid:
@@ -564,30 +574,6 @@ def validate_reliability(cfg: TrainConfig) -> None:
                 f"trainer.stop_signals: {name!r} is not a signal this process can catch; "
                 f"valid names: {', '.join(valid)}"
             )
-
-
-def check_run_dir(run_dir: str | Path) -> None:
-    """The run dir must be creatable and writable, checked without writing anything.
-
-    Root ignores permission bits, so this walks up to the nearest existing ancestor and asks
-    access(2), which still reports read-only file systems; a file in the way is caught too.
-    """
-    import os
-
-    path = Path(run_dir).absolute()
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(
-            f"run dir {run_dir} cannot be created: {probe} is a file, not a directory; "
-            "choose another hydra.run.dir"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"run dir {run_dir} is not writable ({probe} is read-only or not ours); "
-            "choose another hydra.run.dir"
-        )
 
 
 def resolve_grad_accum(t: TrainerConfig, world_size: int) -> int:
@@ -640,18 +626,34 @@ def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
 PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "int8_grad_weight")
 
 
+def schema_defaults(cls: type) -> dict:
+    """A config dataclass's fields at their declared defaults, before __post_init__ derives
+    any (ModelConfig's n_kv_head and ffn_hidden stay null, to follow n_head and d_model)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = schema_defaults(hints[f.name])
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def register_config_bases() -> None:
-    """The bases that conf/strategy and conf/precision files extend (`strategy_base`,
-    `precision_base`): their schema's defaults, so each default is written once, here, and a
-    file lists only what differs."""
+    """The bases that conf/ files extend: `<group>_base` for each group's files and
+    `train_base` for train.yaml's own sections, each the schema's defaults; so every default
+    is written once, here, and a file lists only what differs."""
     from hydra.core.config_store import ConfigStore
 
-    strategy = dataclasses.asdict(StrategyConfig())
-    precision = dataclasses.asdict(PrecisionConfig())
+    train = schema_defaults(TrainConfig)
+    del train["run_dir"]  # Hydra's output dir: train.yaml sets it
     for key in PRECISION_OWN_KEYS:
-        del precision[key]
-    ConfigStore.instance().store(name="strategy_base", node=strategy)
-    ConfigStore.instance().store(name="precision_base", node=precision)
+        del train["precision"][key]
+    for group in GROUPS:
+        ConfigStore.instance().store(name=f"{group}_base", node=train.pop(group))
+    ConfigStore.instance().store(name="train_base", node=train)
 
 
 def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
@@ -678,27 +680,3 @@ def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> TrainConfig:
     with open_dict(dcfg):
         dcfg.run_dir = run_dir
     return from_dictconfig(dcfg)
-
-
-def check_overrides(argv: list[str]) -> TrainConfig | None:
-    """Validate a launch command line before Hydra runs (and creates the run dir).
-
-    Returns the config, or None for what only Hydra itself can check (--multirun sweeps,
-    --help, --cfg, ...). Also refuses to overwrite another run's checkpoints.
-    """
-    if any(a.startswith("-") for a in argv):
-        return None
-    cfg = compose(list(argv))
-    check_run_dir(cfg.run_dir)
-    ckpts = Path(cfg.run_dir) / "checkpoints"
-    if cfg.resume not in RESUME_CHOICES:
-        from dtrain.checkpoint import CheckpointManager, check_newer
-
-        manifest = CheckpointManager.read_manifest(Path(cfg.resume))  # complete and intact?
-        check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
-    if cfg.resume == "never" and ckpts.is_dir() and any(ckpts.glob("step_*")):
-        raise ConfigError(
-            f"run dir {cfg.run_dir} already holds checkpoints; resume=never would overwrite "
-            "them: use resume=auto to continue that run, or a new hydra.run.dir"
-        )
-    return cfg

@@ -77,11 +77,8 @@ def allocator_settings(device: torch.device, expandable: bool, environ=os.enviro
     allocator alone (CPU, expandable segments off, or the user set the allocator's options).
 
     Expandable segments: a segment grows in place instead of a new one being cut for every
-    odd-sized request, so freed blocks of one size are not stranded beside requests of another.
-    Measured (docs/benchmarks.md, "the allocator's expandable segments" and "the whole grid"):
-    reserved minus allocated on 1b, bf16, 2x H200, one call: fsdp 5.8 -> 3.1 GiB, ddp 2.4 ->
-    0.3 GiB, at the same tokens/s (fsdp 109.4k -> 113.0k, ddp 113.6k -> 113.3k); on 350m,
-    ZeRO-1/2 4.9 -> 2.4 GiB and ZeRO-3 3.4 -> 2.2 GiB."""
+    odd-sized request, so freed blocks of one size are not stranded beside requests of another:
+    less memory held, same speed (docs/benchmarks.md, "the allocator's expandable segments")."""
     if device.type != "cuda" or not expandable or any(v in environ for v in USER_ALLOC_VARS):
         return None
     return EXPANDABLE
@@ -199,15 +196,6 @@ def new_background_group(timeout_s: float):
     if not dist.is_initialized():
         return None
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def all_reduce_max_flag(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any (used for stop signals)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:

@@ -142,8 +142,6 @@ PRECISIONS: dict[str, Precision] = {
     ),
 }
 
-FP8_RECIPES = ("tensorwise", "rowwise")
-
 
 def _need_torchao(what: str) -> None:
     if importlib.util.find_spec("torchao") is None:
@@ -171,11 +169,6 @@ def build_precision(
         raise ConfigError(
             f"precision={cfg.name} needs a CUDA GPU (fp16 autocast and loss scaling are for "
             "GPUs); on CPU use precision=bf16 or fp32"
-        )
-    if cfg.fp8_recipe not in FP8_RECIPES:
-        raise ConfigError(
-            f"precision.fp8_recipe={cfg.fp8_recipe!r} is not valid; choose "
-            + " or ".join(FP8_RECIPES)
         )
     if p.quantize == "fp8":
         if device.type == "cuda":

@@ -33,10 +33,12 @@ def ignore_stop_signals(_worker_id: int | None = None) -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
-class StopSignal:
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # trainer.stop_signals
+# What "save a checkpoint and exit 0" means by default (trainer.stop_signals).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
-    def __init__(self, signals=SIGNALS):
+
+class StopSignal:
+    def __init__(self, signals=STOP_SIGNALS):
         self.local = False
         self.reason: str | None = None
         self.device, self.distributed = torch.device("cpu"), False

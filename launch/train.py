@@ -19,11 +19,12 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from dtrain.config import CONF_DIR, check_overrides, register_config_bases  # noqa: E402
+from dtrain.config import CONF_DIR, register_config_bases  # noqa: E402
 from dtrain.errors import FaultError, UserError, fail  # noqa: E402
+from dtrain.run.preflight import check_overrides  # noqa: E402
 from dtrain.rundir import acquire as acquire_run_dir  # noqa: E402
 
-register_config_bases()  # what conf/strategy and conf/precision files extend
+register_config_bases()  # the schema defaults that conf/ files extend
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")

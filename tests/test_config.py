@@ -120,3 +120,77 @@ def test_every_number_in_the_schema_has_a_range():
     missing = set(numeric(TrainConfig)) - set(RANGES) - elsewhere
     assert not missing, f"add a range to config.RANGES for: {sorted(missing)}"
     assert set(RANGES) <= set(numeric(TrainConfig)), set(RANGES) - set(numeric(TrainConfig))
+
+
+def _literal_keys(cls, prefix=""):
+    """(dotted key, its choices) of every Literal-typed field of the schema."""
+    import dataclasses
+    import typing
+
+    from dtrain.config import choices_of
+
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _literal_keys(tp, f"{prefix}{f.name}.")
+        elif choices_of(tp) is not None:
+            yield f"{prefix}{f.name}", choices_of(tp)
+
+
+LITERALS = list(_literal_keys(TrainConfig))
+
+
+@pytest.mark.parametrize("key,choices", LITERALS, ids=[k for k, _ in LITERALS])
+def test_every_choice_is_checked_from_its_type(key, choices):
+    """A Literal-typed key refuses anything else in one line naming the choices, and every
+    choice it lists passes."""
+    from dtrain.config import say_choices
+
+    data: dict = {}
+    node = data
+    *groups, leaf = key.split(".")
+    for group in groups:
+        node = node.setdefault(group, {})
+    node[leaf] = "bogus"
+    with pytest.raises(ConfigError) as e:
+        from_dict(data)
+    assert str(e.value) == f"{key}='bogus' is not valid; choose {say_choices(choices)}"
+    for choice in choices:
+        node[leaf] = choice
+        from_dict(data)
+
+
+def _restated(data: dict, base: dict, prefix: str = "") -> list[str]:
+    """Keys of `data` whose value is the one `base` has: defaults written a second time."""
+    out = []
+    for key, value in data.items():
+        if key not in base:
+            continue
+        if isinstance(value, dict) and isinstance(base[key], dict):
+            out += _restated(value, base[key], f"{prefix}{key}.")
+        elif value == base[key] and key != "name":  # a file names its choice
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_every_default_is_written_once():
+    """Defaults live in the schema (dtrain/config.py); a conf/ file extends its base and lists
+    only what differs, so a default cannot drift between a dataclass and a YAML copy of it."""
+    from omegaconf import OmegaConf
+
+    from dtrain.config import CONF_DIR, PRECISION_OWN_KEYS, schema_defaults
+
+    defaults = schema_defaults(TrainConfig)
+    for key in PRECISION_OWN_KEYS:  # not in precision_base: the precisions that own them say so
+        del defaults["precision"][key]
+    files = [(CONF_DIR / "train.yaml", defaults)]
+    files += [(f, defaults[g]) for g in GROUPS for f in sorted((CONF_DIR / g).glob("*.yaml"))]
+    for path, base in files:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        data.pop("hydra", None)
+        data.pop("defaults", None)
+        assert not _restated(data, base), f"{path} restates defaults: {_restated(data, base)}"
+    # train.yaml's own sections are the schema's, as composed.
+    cfg = compose()
+    for key in ("trainer", "metrics", "inspect", "profile", "debug", "seed", "resume"):
+        assert getattr(cfg, key) == getattr(TrainConfig(), key), key

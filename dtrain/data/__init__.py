@@ -73,35 +73,14 @@ def build_data(
 ) -> DataBundle:
     """Check the source and build the tokenizer (one-line errors at start-up), then describe
     the training streams and the eval set. Nothing is read for training until the first step."""
-    if cfg.source not in SOURCES:
-        raise ConfigError(
-            f"unknown data.source '{cfg.source}'; valid choices: {', '.join(SOURCES)}"
-        )
+    _check(cfg)
     if cfg.source == "synthetic":
-        if not cfg.vocab_size or cfg.vocab_size < 2:
-            raise ConfigError(
-                f"data.vocab_size must be >= 2 for synthetic data, got {cfg.vocab_size}"
-            )
         train = SyntheticBlocks(cfg.vocab_size, seq_len, seed, device)
         evals = SyntheticBlocks(cfg.vocab_size, seq_len, seed + 1, device)
         return DataBundle(train, evals, None, padded_vocab(cfg.vocab_size))
-    for key in ("num_streams", "shuffle_window", "prefetch_factor", "bpe_train_bytes"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"data.{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.num_workers}")
-
     spec = build_source_spec(cfg)
     check_source(spec)
-    eval_spec = None
-    if cfg.eval_split:
-        if spec.kind != "hub":
-            raise ConfigError(
-                "data.eval_split is for hub datasets; local data holds out "
-                "data.eval_fraction of its documents"
-            )
-        eval_spec = SourceSpec("hub", spec.text_field, spec.path, spec.name, cfg.eval_split)
-        check_source(eval_spec)
+    eval_spec = _eval_spec(cfg, spec)
     holdout = 0.0 if eval_spec else cfg.eval_fraction
 
     if cfg.num_workers > 0:
@@ -145,6 +124,39 @@ def build_data(
         cfg.num_workers,
     )
     return DataBundle(train, evals, tokenizer, padded_vocab(tokenizer.vocab_size))
+
+
+def _check(cfg: DataConfig) -> None:
+    """The values of `cfg` that the data, rather than the schema's ranges, constrains."""
+    if cfg.source not in SOURCES:
+        raise ConfigError(
+            f"unknown data.source '{cfg.source}'; valid choices: {', '.join(SOURCES)}"
+        )
+    if cfg.source == "synthetic":
+        if not cfg.vocab_size or cfg.vocab_size < 2:
+            raise ConfigError(
+                f"data.vocab_size must be >= 2 for synthetic data, got {cfg.vocab_size}"
+            )
+        return
+    for key in ("num_streams", "shuffle_window", "prefetch_factor", "bpe_train_bytes"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"data.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.num_workers}")
+
+
+def _eval_spec(cfg: DataConfig, spec: SourceSpec) -> SourceSpec | None:
+    """data.eval_split: a held-out split of a hub dataset (None: hold out documents)."""
+    if not cfg.eval_split:
+        return None
+    if spec.kind != "hub":
+        raise ConfigError(
+            "data.eval_split is for hub datasets; local data holds out "
+            "data.eval_fraction of its documents"
+        )
+    eval_spec = SourceSpec("hub", spec.text_field, spec.path, spec.name, cfg.eval_split)
+    check_source(eval_spec)
+    return eval_spec
 
 
 def _tokenizer(cfg: DataConfig, spec: SourceSpec, holdout: float, *, is_main: bool, share):

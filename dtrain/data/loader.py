@@ -187,10 +187,10 @@ def _close_live_readers() -> None:
 class Prefetcher:
     """Calls `produce()` in a background thread, up to `depth` results ahead of `get()`.
 
-    Measured on the 124M model (1x H100, micro-batch 32 x 1024): reading a step's blocks from
-    the DataLoader in the loop's own thread cost ~11 ms of a 70 ms step (unpickling worker
-    items, file-descriptor passing, stacking), whatever the number of workers; here that work
-    overlaps the GPU step instead (the reads release the GIL). An exception in `produce` is
+    Reading a step's blocks from the DataLoader in the loop's own thread (unpickling, passing
+    handles, stacking) stalled the GPU whatever the number of workers (docs/benchmarks.md,
+    "Data wait on the GPU"); here that work overlaps the GPU step (the reads release the
+    GIL). An exception in `produce` is
     raised again by the `get()` that would have returned its result. The thread holds the
     producer only, not the owner, so a dropped owner is collected and closes it.
     """

@@ -81,10 +81,10 @@ def install_cached_weight_cast() -> None:
     one fused kernel.
 
     torchao casts the local shard before every all-gather: in the forward and again in the
-    backward's re-gather, each time as three eager kernels (multiply, clamp, fp8 copy). At
-    8b under fsdp on 2x H200 those took 91 ms of a 740 ms fp8 step (profile in
-    docs/benchmarks.md). Once the scale is precomputed after the step (precompute_fp8_scales),
-    the fp8 shard depends only on the weight and that scale: it is cast once, fused, and reused
+    backward's re-gather, each time as three eager kernels (multiply, clamp, fp8 copy), a
+    large share of an fp8 step (docs/benchmarks.md, "fp8 under fsdp at 8b"). Once the scale
+    is precomputed after the step (precompute_fp8_scales), the fp8 shard depends only on the
+    weight and that scale: it is cast once, fused, and reused
     until precompute_fp8_scales runs again, which the strategy calls after every optimizer step
     and every load of weights (the weight's version counter cannot tell: the optimizer updates
     the tensor under torchao's wrapper without bumping it). The cache also holds the scale it

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dtrain.hardware import GiB
 from dtrain.memory.plan import MemoryPlan, plan_memory
 from dtrain.memory.setup import MemorySetup, setup_from_config
@@ -59,10 +57,9 @@ def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
     return " ".join(lines)
 
 
-def run_prediction(cfg, precision, env, compile_enabled: bool) -> tuple[MemoryPlan, MemorySetup]:
+def run_prediction(cfg, precision, env) -> tuple[MemoryPlan, MemorySetup]:
     """The plan for rank 0 of this run (the rank that holds the most under FSDP padding)."""
     setup = setup_from_config(cfg, precision, env.world_size, device=env.device.type)
-    setup = replace(setup, compile=compile_enabled)
     return plan_memory(cfg.model, setup), setup
 
 

@@ -22,6 +22,7 @@ from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
+from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import set_lr
 from dtrain.precision import (
     PRECISIONS,
@@ -169,9 +170,9 @@ class Strategy:
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
         self.post_step = None  # the precision's work after each optimizer step (post_step_hook)
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
-        # dtrain.nonfinite.NonfiniteGuard, set by the loop (trainer.on_nonfinite); with fp16
-        # the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
-        self.nonfinite = None
+        # dtrain.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure(); with
+        # fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
+        self.nonfinite: NonfiniteGuard | None = None
         self.check()
 
     # --- config-time checks ------------------------------------------------------------
@@ -236,11 +237,20 @@ class Strategy:
         return cls.speed
 
     # --- building ----------------------------------------------------------------------
-    def configure(self, *, micro_batch_size: int, grad_accum_steps: int, grad_clip: float) -> None:
-        """The batch shape and clipping, for strategies that must know them when built."""
+    def configure(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        grad_clip: float,
+        nonfinite: NonfiniteGuard | None = None,
+    ) -> None:
+        """The batch shape and clipping, for strategies that must know them when built, and
+        the guard that clip_and_step steps through (None: a plain optimizer step)."""
         self.micro_batch_size = micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.grad_clip = grad_clip
+        self.nonfinite = nonfinite
 
     def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
         self.module = build_model(model_cfg, self.device, seed)

@@ -194,10 +194,11 @@ def _training_refusal(overrides: list[str], world: int) -> str | None:
     dtrain.train's order: the strategy, the batch, the data streams."""
     import torch
 
-    from dtrain.config import check_overrides, resolve_grad_accum
+    from dtrain.config import resolve_grad_accum
     from dtrain.data import BatchStream, build_data
     from dtrain.dist import DistEnv
     from dtrain.precision import build_precision
+    from dtrain.run.preflight import check_overrides
     from dtrain.strategies import build_strategy
 
     cpu = torch.device("cpu")

@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-from dtrain.config import check_overrides
 from dtrain.errors import UserError
+from dtrain.run.preflight import check_overrides
 from dtrain.train import run
 from tests.conftest import FAST, launch, train
 from tests.faults.helpers import one_error_line, snapshot
