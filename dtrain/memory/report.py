@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dtrain.hardware import GiB
 from dtrain.memory.plan import MemoryPlan, plan_memory
 from dtrain.memory.setup import MemorySetup, setup_from_config
