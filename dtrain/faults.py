@@ -18,7 +18,8 @@ first run), so an elastic restart that replays the same steps does not fail agai
 
 Grammar: `<point>=<action>[@<rank>][#<step>][%<attempt>]`, several joined by commas.
 Actions: kill, stop (signals to this process), enospc, eacces, erofs, eio (an OSError as the
-OS would raise it), sleep (a slow disk, in the thread that reaches the point).
+OS would raise it), sleep (a slow disk, in the thread that reaches the point), oom (the
+torch.OutOfMemoryError a CUDA allocation raises, on any device).
 An environment variable rather than a config key, so that a kill point can sit anywhere
 (including below the config) and a test can arm one rank of a torchrun job.
 
@@ -52,7 +53,7 @@ POINTS = (
     "ckpt.prune",  # an old checkpoint renamed to .deleting, not yet removed
     "train.step",  # start of an optimizer step
 )
-ACTIONS = ("kill", "stop", "sleep", "enospc", "eacces", "erofs", "eio")
+ACTIONS = ("kill", "stop", "sleep", "oom", "enospc", "eacces", "erofs", "eio")
 SLEEP_ENV = "DTRAIN_FAULT_SLEEP_S"
 _ERRNO = {"enospc": errno.ENOSPC, "eacces": errno.EACCES, "erofs": errno.EROFS, "eio": errno.EIO}
 
@@ -126,6 +127,8 @@ def point(name: str, *, step: int | None = None) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.action == "sleep":
             time.sleep(float(os.environ.get(SLEEP_ENV, "5")))
+        elif f.action == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {ENV} at {name})")
         else:
             code = _ERRNO[f.action]
             raise OSError(code, f"{os.strerror(code)} (injected by {ENV} at {name})")

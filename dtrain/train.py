@@ -21,8 +21,10 @@ from dtrain.faults import point
 from dtrain.optim import lr_at
 from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.run.build import Run, build_run
+from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
+from dtrain.run.slow_step import SlowStepNotice
 from dtrain.rundir import hold_run_dir
 
 log = logging.getLogger("dtrain")
@@ -60,6 +62,11 @@ def run(cfg: TrainConfig) -> dict:
                 # ("terminate called without an active exception").
                 ddist.barrier()
                 return summary
+            except torch.OutOfMemoryError as e:
+                if heartbeat is not None:  # peers may be mid-collective: no teardown barrier
+                    heartbeat.close()
+                    heartbeat = None
+                raise out_of_memory(cfg, env, e) from None
             except RuntimeError as e:
                 from dtrain.watchdog import is_timeout
 
@@ -95,6 +102,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()
     r.profiler.start()
+    first = SlowStepNotice(step + 1, r.strategy.first_step_work()).start()
 
     while step < end:
         point("train.step", step=step + 1)
@@ -109,6 +117,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         grad_norm = r.strategy.clip_and_step(lr, t.grad_clip)
         r.profiler.step()
         step += 1
+        first.stop()
         info = report.step_done(step, lr, grad_norm)  # None but on a logged step
         progress.update(step, info)
         if r.ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)
@@ -128,6 +137,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
             saver.save(step)
             report.restart_clock()
 
+    first.stop()  # (no step ran)
     r.profiler.stop()
     saver.settle(step)
     if not stopped_by_signal:

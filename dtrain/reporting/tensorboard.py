@@ -95,7 +95,10 @@ def layout(cuda: bool, mfu: bool) -> dict:
         ]
     throughput = {
         "loss": ["Multiline", [r"train/loss", r"eval/loss"]],
-        "tokens/s per GPU": ["Multiline", [r"perf/tokens_per_s_per_gpu"]],
+        "tokens/s per GPU": [
+            "Multiline",
+            [r"perf/tokens_per_s_per_gpu", r"perf/predicted_tokens_per_s_per_gpu"],
+        ],
     }
     if mfu:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]

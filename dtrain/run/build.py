@@ -13,16 +13,19 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import TrainConfig, resolve_grad_accum
+from dtrain.config import AUTO, TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.faults import NonfiniteInjector
 from dtrain.inspector import Inspector
 from dtrain.memory import (
     MemoryPlan,
+    SpeedPlan,
     markdown_breakdown,
     predicted_record,
+    predicted_speed_record,
     run_prediction,
+    run_speed_prediction,
     summary_text,
 )
 from dtrain.metrics import MetricsWriter, peak_flops
@@ -66,6 +69,7 @@ class Run:
     flops_per_token: float
     peak: float | None  # FLOP/s of one device, for MFU (None: no real peak known)
     mem_plan: MemoryPlan | None  # the predicted memory per GPU, beside the measured
+    speed: SpeedPlan | None  # the predicted step time and tokens/s per GPU (None off known GPUs)
 
     @property
     def run_dir(self) -> Path:
@@ -89,7 +93,6 @@ def build_run(
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
     strategy = build_strategy(cfg.strategy, precision, env)
-    accum = resolve_grad_accum(t, env.world_size)
     data = build_data(
         cfg.data,
         seq_len=t.seq_len,
@@ -98,7 +101,9 @@ def build_run(
         is_main=env.is_main,
         run_dir=cfg.run_dir,
     )
-    cfg = with_vocab(cfg, data.vocab_size)
+    cfg = with_micro_batch(with_vocab(cfg, data.vocab_size), env)
+    t = cfg.trainer
+    accum = resolve_grad_accum(t, env.world_size)
     ckpt = CheckpointManager(
         cfg.run_dir, cfg.checkpoint, env.rank, env.world_size, timeout_s=t.collective_timeout_s
     )
@@ -173,6 +178,24 @@ def with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     return replace(cfg, model=replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size))
 
 
+def with_micro_batch(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
+    """trainer.micro_batch_size=auto: the largest micro-batch the memory plan fits on this
+    device with a margin of it left free (the same figure on every rank: the plan is pure)."""
+    if cfg.trainer.micro_batch_size != AUTO:
+        return cfg
+    from dtrain.memory.search import AUTO_MICRO_BATCH_MARGIN, resolve_auto_micro_batch
+
+    mb = resolve_auto_micro_batch(cfg, env.world_size, env.device)
+    log.info(
+        "trainer.micro_batch_size=auto: %d, the largest the memory plan fits on this %s with "
+        "%.0f%% of its memory left free",
+        mb,
+        env.device.type,
+        100 * AUTO_MICRO_BATCH_MARGIN,
+    )
+    return replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
+
+
 def resume_point(
     cfg: TrainConfig, env: ddist.DistEnv, ckpt: CheckpointManager
 ) -> ResumePoint | None:
@@ -236,6 +259,7 @@ class Reporters(NamedTuple):
     inspector: Inspector
     profiler: StepProfiler
     mem_plan: MemoryPlan | None
+    speed: SpeedPlan | None
 
 
 def start_reporting(
@@ -277,6 +301,7 @@ def start_reporting(
     if start_step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
     mem_plan = log_memory_prediction(cfg, precision, env, writer, start_step, hparams)
+    speed = log_speed_prediction(cfg, env, writer, start_step, strategy.compile_enabled)
     log.info(
         "%s | %s | world %d | model %s: %.2fM params, %.3g FLOPs/token | global batch %d x %d "
         "tokens | run dir %s",
@@ -293,7 +318,7 @@ def start_reporting(
     warmup_warning = short_warmup_warning(cfg.optim, cfg.trainer.max_steps)
     if warmup_warning and env.is_main:  # a choice the user may mean (a smoke test): warn, run
         log.warning(warmup_warning)
-    return Reporters(writer, inspector, profiler, mem_plan)
+    return Reporters(writer, inspector, profiler, mem_plan, speed)
 
 
 def log_memory_prediction(
@@ -313,3 +338,31 @@ def log_memory_prediction(
         writer.text("memory/predicted", markdown_breakdown(plan, text), 0)
         writer.record({"step": 0, "run": run_info, "memory_predicted": predicted_record(plan)})
     return plan
+
+
+def log_speed_prediction(
+    cfg: TrainConfig, env: ddist.DistEnv, writer: MetricsWriter, step: int, compiled: bool
+) -> SpeedPlan | None:
+    """Predicted tokens/s per GPU (the speed plan, docs/planner.md), logged at the start and
+    put beside the measured figure at every logged step; None off the known GPUs (CPU)."""
+    try:
+        speed = run_speed_prediction(cfg, env.world_size, env.device, compile_enabled=compiled)
+    except ConfigError as e:  # a configuration the planner does not cover: train anyway
+        log.warning("speed: no prediction for this run: %s", e)
+        return None
+    if speed is None:
+        return None
+    ms = {k: 1e3 * getattr(speed, f"{k}_s") for k in ("compute", "exposed_comm", "optimizer")}
+    log.info(
+        "speed: predicted %.0f tokens/s per GPU, %.0f ms per step (compute %.0f, exposed "
+        "communication %.0f, optimizer %.0f ms; %s figures)",
+        speed.tokens_per_s_per_gpu,
+        1e3 * speed.step_s,
+        ms["compute"],
+        ms["exposed_comm"],
+        ms["optimizer"],
+        speed.machine,
+    )
+    if step == 0:
+        writer.record({"step": 0, **predicted_speed_record(speed)})
+    return speed

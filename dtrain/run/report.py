@@ -12,6 +12,7 @@ import torch
 
 from dtrain.memory import PREDICTION_COMPARES, prediction_error_pct
 from dtrain.metrics import Throughput, gather_memory, memory_scalars
+from dtrain.reporting.summary import PREDICTED_SPEED_KEY
 
 if TYPE_CHECKING:
     from dtrain.run.build import Run
@@ -91,6 +92,8 @@ class StepReport:
             "elapsed_s": time.perf_counter() - self.t_start,
             "memory_per_rank": mem,
         }
+        if r.speed is not None:  # the speed plan's figure beside the measured one
+            info[PREDICTED_SPEED_KEY] = r.speed.tokens_per_s_per_gpu
         return info
 
     def _count_skipped(self, step: int, info: dict) -> None:
@@ -113,6 +116,7 @@ class StepReport:
             "train/grad_norm": info["grad_norm"],
             "perf/tokens_per_s": info["tokens_per_s"],
             "perf/tokens_per_s_per_gpu": info["tokens_per_s_per_gpu"],
+            "perf/predicted_tokens_per_s_per_gpu": info.get(PREDICTED_SPEED_KEY),
             "perf/mfu": info["mfu"],
             "perf/data_wait_pct": info["data_wait_pct"],
             **memory_scalars(info["memory_per_rank"], self.run.mem_plan),

@@ -217,6 +217,12 @@ class Strategy:
     def compile_enabled(self) -> bool:
         return self.compiles(self.cfg, self.device.type)
 
+    def first_step_work(self) -> str | None:
+        """What makes the first step slow (said in the log while it runs), or None."""
+        if self.compile_enabled:
+            return "torch.compile is tracing the model and Inductor is generating its kernels"
+        return None
+
     # --- what the memory planner reads -------------------------------------------------
     @classmethod
     def memory_facts(cls, name: str) -> MemoryFacts | None:

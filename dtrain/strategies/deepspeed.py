@@ -233,6 +233,14 @@ class DeepSpeedStrategy(Strategy):
         (on by default for ZeRO-3 on CUDA, where it measured faster: docs/strategies.md)."""
         return uses_deepcompile(self.cfg, self.device.type)
 
+    def first_step_work(self) -> str | None:
+        if self.deepcompile:
+            return (
+                "DeepCompile is tracing the model, profiling it and running its ZeRO passes "
+                "(strategy.deepcompile=false starts at once, eager)"
+            )
+        return super().first_step_work()
+
     @classmethod
     def compiles(cls, cfg: StrategyConfig, device_type: str) -> bool:
         # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked

@@ -1,0 +1,68 @@
+"""A CUDA out-of-memory error turned into advice: the memory plan of this run and the single
+changes that fit, fastest first (dtrain.memory.advice; docs/planner.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from dtrain import dist as ddist
+from dtrain.config import AUTO, TrainConfig
+from dtrain.errors import ConfigError, FaultError
+from dtrain.hardware import GpuSpec, gpu_named
+
+log = logging.getLogger("dtrain")
+
+ADVICE_FILE = "oom_advice.txt"
+
+
+def device_gpu(device: torch.device) -> tuple[GpuSpec | None, int | None, str]:
+    """(the card's GpuSpec or None, its memory in bytes, its name) for a CUDA device."""
+    if device.type != "cuda":
+        return None, None, device.type
+    props = torch.cuda.get_device_properties(device)
+    return gpu_named(props.name), props.total_memory, props.name
+
+
+def advice_text(cfg: TrainConfig, env: ddist.DistEnv) -> str:
+    """The advice for this run on this device, or why there is none."""
+    from dtrain.memory.advice import oom_advice
+
+    gpu, capacity, name = device_gpu(env.device)
+    if gpu is None:
+        return (
+            f"no memory plan for {name} (not in dtrain.hardware's table); "
+            "python -m dtrain.cli.plan gpu=... objective=fastest shows what fits a known card"
+        )
+    if cfg.trainer.micro_batch_size == AUTO:  # the run stopped before resolving it
+        from dtrain.run.build import with_micro_batch
+
+        cfg = with_micro_batch(cfg, env)
+    try:
+        return oom_advice(cfg, env.world_size, gpu, capacity_bytes=capacity, profile="auto")
+    except ConfigError as e:  # a configuration the planner does not cover
+        return f"no advice for this run: {e}"
+
+
+def out_of_memory(cfg: TrainConfig, env: ddist.DistEnv, err: BaseException) -> FaultError:
+    """The error to stop with (exit 3, on whichever rank ran out): one line, the advice logged
+    in full and written to the run dir. Nothing is saved: the state may be mid-step, and the
+    other ranks may be waiting in a collective; the last checkpoint stays the resume point."""
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()  # what the failed step held, so the report itself can run
+    advice = advice_text(cfg, env)
+    path = Path(cfg.run_dir) / ADVICE_FILE
+    tmp = path.with_name(f".{ADVICE_FILE}.{env.rank}.{os.getpid()}")
+    tmp.write_text(advice + "\n")
+    os.replace(tmp, path)  # every rank writes the same text: the last rename wins whole
+    log.error("rank %d ran out of memory; %s", env.rank, advice)
+    first = (str(err).strip().splitlines() or ["CUDA out of memory"])[0]
+    e = FaultError(
+        f"rank {env.rank} ran out of memory: {first}; nothing was saved since the last "
+        f"checkpoint; what fits instead is in {path}"
+    )
+    e.every_rank = True  # each rank that ran out says so
+    return e

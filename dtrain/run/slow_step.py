@@ -1,0 +1,43 @@
+"""A step that runs long says so: the first step compiles (torch.compile, DeepCompile) and can
+take minutes, which a user would otherwise watch in silence."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("dtrain")
+
+
+class SlowStepNotice:
+    """While armed, logs after `after_s` and then every `every_s` that the step is still
+    running, with `what` it is doing. A daemon thread: it never holds the process."""
+
+    def __init__(self, step: int, what: str | None, after_s: float = 20.0, every_s: float = 60.0):
+        self.step, self.what = step, what
+        self.after_s, self.every_s = after_s, every_s
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> SlowStepNotice:
+        if self.what is not None:
+            self._t0 = time.perf_counter()
+            self._thread = threading.Thread(
+                target=self._watch, name="dtrain-slow-step", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        wait = self.after_s
+        while not self._done.wait(wait):
+            elapsed = time.perf_counter() - self._t0
+            log.info("step %d still running after %.0f s: %s", self.step, elapsed, self.what)
+            wait = self.every_s
+
+    def stop(self) -> None:
+        """The step is done (cheap to call again)."""
+        if self._thread is not None:
+            self._done.set()
+            self._thread = None

@@ -1,0 +1,132 @@
+"""The planner inside a training run: trainer.micro_batch_size=auto, the predicted tokens/s
+beside the measured, an out-of-memory error turned into advice, and the slow first step said."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from dtrain.errors import FaultError
+from dtrain.hardware import GPUS, GiB
+from tests.conftest import FAST, launch, read_jsonl, train
+
+QUICK = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
+H100 = GPUS["h100-80gb"]
+
+
+def test_auto_micro_batch_is_the_largest_that_fits_and_divides_the_global_batch(tmp_path, capfd):
+    out = train(tmp_path, *QUICK, "trainer.micro_batch_size=auto", "trainer.global_batch_size=8")
+    run = next(r["run"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "run" in r)
+    # The tiny model fits thousands of sequences in host memory: the global batch bounds it.
+    assert run["micro_batch_size"] == 8 and run["grad_accum_steps"] == 1
+    said = "trainer.micro_batch_size=auto: 8, the largest the memory plan fits on this cpu"
+    assert said in capfd.readouterr().err
+    assert out["step"] == 3
+
+
+def test_auto_micro_batch_that_cannot_fit_is_one_line_exit_2(tmp_path, monkeypatch):
+    import dtrain.memory.search as search
+
+    monkeypatch.setattr(search, "_capacity", lambda device: 1 * 2**20)  # 1 MiB of "memory"
+    from dtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="micro_batch_size=auto: no micro-batch fits"):
+        train(tmp_path, *QUICK, "trainer.micro_batch_size=auto")
+
+
+def test_the_predicted_speed_is_logged_beside_the_measured(tmp_path, monkeypatch):
+    import dtrain.run.build as build
+    from dtrain.memory import run_speed_prediction
+
+    # On CPU there is no GPU to price the run on: as if it ran on an H100.
+    monkeypatch.setattr(
+        build,
+        "run_speed_prediction",
+        lambda cfg, world, device, **kw: run_speed_prediction(cfg, world, device, gpu=H100, **kw),
+    )
+    out = train(tmp_path, *QUICK)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    start = next(r for r in records if "speed_predicted" in r)
+    predicted = start["predicted_tokens_per_s_per_gpu"]
+    assert start["step"] == 0 and predicted > 0
+    assert start["speed_predicted"]["step_s"] == pytest.approx(
+        start["speed_predicted"]["compute_s"]
+        + start["speed_predicted"]["recompute_s"]
+        + start["speed_predicted"]["exposed_comm_s"]
+        + start["speed_predicted"]["optimizer_s"]
+        + start["speed_predicted"]["other_s"]
+    )
+    steps = [r for r in records if "loss" in r]
+    assert [r["predicted_tokens_per_s_per_gpu"] for r in steps] == [predicted] * 3
+    assert out["summary"]["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted)
+
+
+def test_no_speed_prediction_on_cpu(tmp_path):
+    train(tmp_path, *QUICK)
+    assert not any(
+        "predicted_tokens_per_s_per_gpu" in r for r in read_jsonl(tmp_path / "metrics.jsonl")
+    )
+
+
+def test_out_of_memory_stops_with_the_plan_and_what_fits(tmp_path, monkeypatch, capfd):
+    import dtrain.run.oom as oom
+
+    monkeypatch.setattr(oom, "device_gpu", lambda device: (H100, 80 * GiB, "NVIDIA H100 80GB"))
+    monkeypatch.setenv("DTRAIN_FAULT", "train.step=oom#2")
+    with pytest.raises(FaultError) as e:
+        train(tmp_path, *QUICK, "checkpoint.every_n_steps=1")
+    msg = str(e.value)
+    assert "\n" not in msg and e.value.exit_code == 3
+    assert msg.startswith("rank 0 ran out of memory: CUDA out of memory (injected")
+    assert str(tmp_path / "oom_advice.txt") in msg
+    advice = (tmp_path / "oom_advice.txt").read_text()
+    assert advice.startswith("out of memory: ") and "per GPU" in advice
+    assert "rank 0 ran out of memory; out of memory: " in capfd.readouterr().err
+    # Nothing saved after the OOM; step 1's checkpoint is left complete, the resume point.
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_0000001"]
+
+
+def test_out_of_memory_through_the_cli_is_exit_3_one_line(tmp_path):
+    res = launch(
+        *FAST, *QUICK, f"hydra.run.dir={tmp_path}", env_extra={"DTRAIN_FAULT": "train.step=oom#1"}
+    )
+    assert res.returncode == 3, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "ran out of memory" in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    # On CPU the advice says why there is none, and where to plan a known card.
+    assert "no memory plan for cpu" in (tmp_path / "oom_advice.txt").read_text()
+
+
+def test_a_slow_step_says_what_it_is_doing(caplog):
+    from dtrain.run.slow_step import SlowStepNotice
+
+    caplog.set_level(logging.INFO, logger="dtrain")
+    notice = SlowStepNotice(1, "compiling", after_s=0.05, every_s=0.05).start()
+    time.sleep(0.3)
+    notice.stop()
+    said = [r.message for r in caplog.records if "still running" in r.message]
+    assert said and said[0].startswith("step 1 still running after 0 s: compiling")
+    n = len(said)
+    time.sleep(0.2)
+    assert len([r for r in caplog.records if "still running" in r.message]) == n  # stopped
+    quiet = SlowStepNotice(1, None, after_s=0.0).start()  # nothing slow: no thread, no line
+    assert quiet._thread is None
+
+
+def test_the_first_step_work_is_named_by_the_strategy():
+    from dtrain.config import PrecisionConfig, StrategyConfig
+    from dtrain.dist import DistEnv
+    from dtrain.precision import build_precision
+    from dtrain.strategies import build_strategy
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    precision = build_precision(PrecisionConfig(name="fp32"), torch.device("cpu"))
+    eager = build_strategy(StrategyConfig(name="single", compile=False), precision, env)
+    compiled = build_strategy(StrategyConfig(name="single", compile=True), precision, env)
+    assert eager.first_step_work() is None
+    assert "torch.compile" in compiled.first_step_work()
