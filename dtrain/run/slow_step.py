@@ -37,7 +37,8 @@ class SlowStepNotice:
             wait = self.every_s
 
     def stop(self) -> None:
-        """The step is done (cheap to call again)."""
+        """The step is done (cheap to call again); no line is logged after this returns."""
         if self._thread is not None:
             self._done.set()
+            self._thread.join(timeout=5.0)  # at most a log line in progress
             self._thread = None
