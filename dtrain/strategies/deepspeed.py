@@ -446,6 +446,9 @@ class DeepSpeedStrategy(Strategy):
         as they are (the moments and step count are then overwritten by the load)."""
         opt = self.engine.optimizer
         inner = opt.optimizer
+        if self.stage == 3:
+            self._ensure_zero3_optimizer_states(opt)
+            return
         flat = [p for g in inner.param_groups for p in g["params"]]
         if not all(p in inner.state for p in flat):
             self._create_optimizer_states(inner)
@@ -457,6 +460,26 @@ class DeepSpeedStrategy(Strategy):
 
             for i, hp in enumerate(opt.single_partition_of_fp32_groups):
                 lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], hp, inner.state)
+
+    def _ensure_zero3_optimizer_states(self, opt) -> None:
+        """ZeRO-3 keeps its inner optimizer's param groups empty and binds each sub-group's
+        fp32 partition only while stepping it (DeepSpeed 0.19's `_optimizer_step`), so the
+        moments of a run that has not stepped yet are created with the partitions bound the
+        same way, then unbound."""
+        inner = opt.optimizer
+        flats = opt.fp32_partitioned_groups_flat
+        if all(f in inner.state for f in flats):
+            return
+        bound = {gid: list(g["params"]) for gid, g in enumerate(inner.param_groups)}
+        for g in inner.param_groups:
+            g["params"] = []
+        for sub, flat in enumerate(flats):
+            inner.param_groups[opt.sub_group_to_group_id[sub]]["params"].append(flat)
+        try:
+            self._create_optimizer_states(inner)
+        finally:
+            for gid, g in enumerate(inner.param_groups):
+                g["params"] = bound[gid]
 
     @staticmethod
     def _create_optimizer_states(inner: torch.optim.Optimizer) -> None:
