@@ -82,11 +82,14 @@ SMOKE_COMMON = [
     "optim.warmup_steps=1",
     "trainer.device=cpu",
 ]
-# name -> (precision, DTRAIN_INT8_KERNEL)
+# name -> (precision, DTRAIN_INT8_KERNEL, more overrides)
 E2E_RUNS = {
-    "bf16": ("bf16", ""),
-    "int8_triton": ("int8", "triton"),
-    "int8_torch": ("int8", "torch"),
+    "bf16": ("bf16", "", []),
+    "int8_triton": ("int8", "triton", []),
+    # all three matmuls int8 (grad-weight too): the Triton GEMM's gain on the third matmul
+    "int8_triton_gw8": ("int8", "triton", ["precision.int8_grad_weight=int8"]),
+    "int8_torch": ("int8", "torch", []),
+    "fp8": ("fp8", "", []),
 }
 
 
@@ -320,7 +323,7 @@ def part_micro(args) -> dict:
 
 
 def run_e2e(name: str, args, out_dir: Path) -> dict:
-    precision, kernel = E2E_RUNS[name]
+    precision, kernel, extra = E2E_RUNS[name]
     steps = 4 if args.smoke else args.e2e_steps
     run_dir = Path(args.run_root) / f"int8k_{name}"
     cmd = [
@@ -330,6 +333,7 @@ def run_e2e(name: str, args, out_dir: Path) -> dict:
         f"trainer.max_steps={steps}",
         f"trainer.log_every={2 if args.smoke else 10}",
         f"precision={precision}",
+        *extra,
         f"hydra.run.dir={run_dir}",
     ]
     env = dict(os.environ)

@@ -22,17 +22,20 @@ fsdp8b() {  # $1 = result name, then overrides
   MODEL=8b dtrain_run "$name" 2 strategy=fsdp model=8b trainer.seq_len=8192 \
     trainer.micro_batch_size=1 data.vocab_size=128256 "$@"
 }
+# A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too).
+prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
+  *) echo "precision=$1" ;; esac; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"
 }
 case "${1:-}" in
-  fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do fsdp8b fsdp8b_$p precision=$p; done ;;
-  single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do single1b single1b_$p precision=$p; done ;;
+  fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do fsdp8b fsdp8b_$p $(prec $p); done ;;
+  single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do single1b single1b_$p $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
-      dtrain_run loss${MODEL}_${p}_s${SEED:-1337} 1 precision=$p seed=${SEED:-1337}
+      dtrain_run loss${MODEL}_${p}_s${SEED:-1337} 1 $(prec $p) seed=${SEED:-1337}
     done ;;
   profile8b|profile1b)
     run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
