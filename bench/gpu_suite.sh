@@ -10,8 +10,16 @@ source bench/common.sh
 export DTRAIN_GPU_RESULTS=$OUT/gpu_suite.json
 rm -f "$DTRAIN_GPU_RESULTS"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/gpu_suite_cards.txt
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml=$OUT/gpu_suite.xml \
-  --durations=0 ${SUITE:-} 2>&1 | tee $OUT/gpu_suite.log | tail -40
+# Most of a test's time is a process starting (imports, NCCL, DeepSpeed), not GPU work: with
+# pytest-xdist the tests run on WORKERS processes side by side (one-GPU runs spread over the
+# GPUs, the straight runs trained once for all, the 1b memory runs one at a time). 2x H200,
+# 2026-11-27, one after another: 20 of the 27 tests took 1010 s (docs/gpu-tests.md).
+PAR=""
+if python3 -c "import xdist" 2>/dev/null; then PAR="-n ${WORKERS:-4} --dist loadgroup"; fi
+python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu --junitxml=$OUT/gpu_suite.xml \
+  --durations=0 $PAR ${SUITE:-} > $OUT/gpu_suite.log 2>&1
+grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/gpu_suite.log | tail -60
 if [ "${LAUNCH:-1}" = 1 ]; then
-  python3 bench/launch_times.py --out $OUT/launch_times.json ${LAUNCH_STRATEGIES:-}
+  python3 bench/launch_times.py --out $OUT/launch_times.json --limit ${LAUNCH_LIMIT:-150} \
+    ${LAUNCH_STRATEGIES:-}
 fi

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,17 +43,24 @@ STRATEGIES = {
 }
 
 
-def step_time(metrics: Path, step: int, proc: subprocess.Popen, t0: float) -> float | None:
-    """Seconds from t0 until metrics.jsonl holds `step`; None if the run ended first."""
+def step_time(
+    metrics: Path, step: int, proc: subprocess.Popen, t0: float, limit: float
+) -> float | None:
+    """Seconds from t0 until metrics.jsonl holds `step`; None if the run ended first or
+    `limit` seconds passed (the run is then stopped: its time is past any goal)."""
     needle = f'"step": {step},'
     while proc.poll() is None:
         if metrics.exists() and needle in metrics.read_text():
             return time.perf_counter() - t0
+        if time.perf_counter() - t0 > limit:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the GPUs free again
+            proc.wait()
+            return None
         time.sleep(0.2)
     return time.perf_counter() - t0 if metrics.exists() and needle in metrics.read_text() else None
 
 
-def measure(name: str, root: Path) -> dict:
+def measure(name: str, root: Path, limit: float) -> dict:
     from dtrain.dist import train_command
 
     nproc, extra = STRATEGIES[name]
@@ -62,8 +70,10 @@ def measure(name: str, root: Path) -> dict:
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0")  # DeepSpeed's FusedAdam build
     t0 = time.perf_counter()
     log = open(root / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    t10 = step_time(run_dir / "metrics.jsonl", 10, proc, t0)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    t10 = step_time(run_dir / "metrics.jsonl", 10, proc, t0, limit)
     proc.wait()
     recs = (
         [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
@@ -73,6 +83,8 @@ def measure(name: str, root: Path) -> dict:
     later = sorted(r["tokens_per_s"] for r in recs if r.get("step", 0) > 12 and "tokens_per_s" in r)
     return {
         "launch_to_step10_s": t10,
+        "limit_s": limit,
+        "stopped_at_limit": t10 is None and proc.returncode is not None and proc.returncode < 0,
         "tokens_per_s": later[len(later) // 2] if later else None,
         "returncode": proc.returncode,
     }
@@ -83,6 +95,7 @@ def main() -> None:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--root", type=Path, default=Path("/tmp/runs/launch"))
+    ap.add_argument("--limit", type=float, default=150, help="seconds to wait for step 10")
     args = ap.parse_args()
     import torch
 
@@ -92,7 +105,7 @@ def main() -> None:
         if STRATEGIES[name][0] > out["gpus"]:
             out[name] = "skipped: needs 2 GPUs"
             continue
-        out[name] = measure(name, args.root)
+        out[name] = measure(name, args.root, args.limit)
         print(name, json.dumps(out[name]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))

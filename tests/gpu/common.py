@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+from filelock import FileLock
 
 from tests.conftest import launch, read_jsonl
 
@@ -43,13 +46,50 @@ def merged(*overrides: str, nproc: int = 1) -> list[str]:
     return [a for a in args if kept(a)] + list(overrides)
 
 
+def one_gpu_env() -> dict:
+    """Under pytest-xdist (bench/gpu_suite.sh runs the suite on several workers), each worker's
+    one-GPU runs go to its own GPU, so two of them side by side do not share one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return {}
+    import torch
+
+    return {"CUDA_VISIBLE_DEVICES": str(int(worker[2:]) % max(torch.cuda.device_count(), 1))}
+
+
 def run(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> list[dict]:
     """Train through launch/train.py (torchrun for nproc > 1); the metrics.jsonl records."""
     res = launch(
-        *merged(*overrides, nproc=nproc), f"hydra.run.dir={run_dir}", nproc=nproc, timeout=timeout
+        *merged(*overrides, nproc=nproc),
+        f"hydra.run.dir={run_dir}",
+        nproc=nproc,
+        timeout=timeout,
+        env_extra=one_gpu_env() if nproc == 1 else None,
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def once(root: Path, name: str, make) -> Path:
+    """`make(dir)` run once per suite under root/name, whichever test (or xdist worker) asks
+    first; the others wait on its lock and read what it left. Returns root/name."""
+    root.mkdir(parents=True, exist_ok=True)
+    target, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            make(target)
+            done.touch()
+    return target
+
+
+def shared_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1) -> list[dict]:
+    """A run that several tests compare against (the straight runs of the parity, resume and
+    move tests): trained once for the whole suite, in the directory every xdist worker shares
+    (the parent of each worker's base temp)."""
+    base = tmp_path_factory.getbasetemp()  # under xdist: <session dir>/popen-gw<N>
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
+    d = once(root, name, lambda target: run(target, *overrides, nproc=nproc))
+    return read_jsonl(d / "metrics.jsonl")
 
 
 # The memory prediction's check: model=1b compiled (as users run it), a few steps past warm-up.
@@ -75,6 +115,7 @@ def record(results: Path | None, name: str, value) -> None:
     """Append a result to the suite's JSON summary (bench/gpu_suite.sh sets the file)."""
     if results is None:
         return
-    data = json.loads(results.read_text()) if results.exists() else {}
-    data[name] = value
-    results.write_text(json.dumps(data, indent=1, sort_keys=True))
+    with FileLock(f"{results}.lock"):  # xdist workers write it side by side
+        data = json.loads(results.read_text()) if results.exists() else {}
+        data[name] = value
+        results.write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, cli_env
-from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run
+from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run, shared_run
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def tail_mean(records, n=5) -> float:
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("fp32") / "run", "precision=fp32", EAGER)
+    return shared_run(tmp_path_factory, "single-fp32", "precision=fp32", EAGER)
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISION_TOL))
@@ -44,9 +44,12 @@ def test_every_precision_trains_like_fp32(precision, fp32, tmp_path, results):
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
-def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, results):
+def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, tmp_path_factory, results):
     args = ["precision=bf16"] + ([] if compile_ else [EAGER])
-    straight = losses(run(tmp_path / "straight", *args))
+    if compile_:
+        straight = losses(run(tmp_path / "straight", *args))
+    else:  # the same run as test_two_gpus.py's one-GPU reference
+        straight = losses(shared_run(tmp_path_factory, "single-bf16", *args))
     run(tmp_path / "resumed", *args, "trainer.stop_at_step=15")
     resumed = losses(run(tmp_path / "resumed", *args))
     diff = {s: resumed[s] - straight[s] for s in range(16, STEPS + 1) if resumed[s] != straight[s]}
@@ -104,6 +107,7 @@ def test_expandable_segments_are_set_by_dtrains_switch_and_cut_reserved_memory(r
     assert waste_on < waste_off, out
 
 
+@pytest.mark.xdist_group("memory_1b")
 def test_memory_prediction_at_1b_is_within_10_percent_of_peak_reserved(tmp_path, results):
     recs = run(
         tmp_path / "run",

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run
+from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run, shared_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -39,7 +39,15 @@ def param(name):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("single") / "run", "precision=bf16", EAGER)
+    return shared_run(tmp_path_factory, "single-bf16", "precision=bf16", EAGER)
+
+
+def straight(tmp_path_factory, name: str) -> list[dict]:
+    """The strategy's 30 steps on 2 GPUs in bf16, eager: trained once, read by the parity,
+    resume and move tests."""
+    return shared_run(
+        tmp_path_factory, f"{name}-bf16-x2", "precision=bf16", EAGER, *STRATEGIES[name], nproc=2
+    )
 
 
 def tail(records, n=5) -> float:
@@ -48,8 +56,8 @@ def tail(records, n=5) -> float:
 
 
 @pytest.mark.parametrize("name", [param(n) for n in STRATEGIES])
-def test_strategy_matches_one_gpu(name, single, tmp_path, results):
-    recs = run(tmp_path / "run", "precision=bf16", EAGER, *STRATEGIES[name], nproc=2)
+def test_strategy_matches_one_gpu(name, single, tmp_path_factory, results):
+    recs = straight(tmp_path_factory, name)
     rel = tail(recs) / tail(single) - 1
     record(results, f"parity/{name}", {"tail_loss": tail(recs), "single": tail(single), "rel": rel})
     assert abs(rel) <= PARITY_TOL, (name, rel)
@@ -59,12 +67,12 @@ RESUME = ["ddp", "fsdp", "zero2", "zero3"]
 
 
 @pytest.mark.parametrize("name", [param(n) for n in RESUME])
-def test_resume_on_nccl_is_bit_exact(name, tmp_path, results):
+def test_resume_on_nccl_is_bit_exact(name, tmp_path, tmp_path_factory, results):
     args = ["precision=bf16", EAGER, *STRATEGIES[name]]
-    straight = losses(run(tmp_path / "straight", *args, nproc=2))
+    whole = losses(straight(tmp_path_factory, name))
     run(tmp_path / "resumed", *args, "trainer.stop_at_step=15", nproc=2)
     resumed = losses(run(tmp_path / "resumed", *args, nproc=2))
-    diff = {s: resumed[s] - straight[s] for s in range(16, STEPS + 1) if resumed[s] != straight[s]}
+    diff = {s: resumed[s] - whole[s] for s in range(16, STEPS + 1) if resumed[s] != whole[s]}
     record(results, f"resume/{name}", {"steps_differ": diff})
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert not diff, diff
@@ -74,21 +82,28 @@ def test_resume_on_nccl_is_bit_exact(name, tmp_path, results):
 @pytest.mark.parametrize(
     "src,dst", [("fsdp", "zero2"), ("zero2", "fsdp")], ids=["fsdp2-to-zero2x1", "zero2x1-to-fsdp2"]
 )
-def test_checkpoints_move_between_fsdp_on_two_gpus_and_zero2_on_one(src, dst, tmp_path, results):
+def test_checkpoints_move_between_fsdp_on_two_gpus_and_zero2_on_one(
+    src, dst, tmp_path, tmp_path_factory, results
+):
     """Same global batch, same data order: the moved run continues as the straight run of the
     source did (the optimizer state moves with the weights)."""
     n = {"fsdp": 2, "zero2": 1}
     args = ["precision=bf16", EAGER]
-    straight = losses(run(tmp_path / "straight", *args, *STRATEGIES[src], nproc=n[src]))
+    if n[src] == 2:
+        whole = losses(straight(tmp_path_factory, src))
+    else:
+        whole = losses(run(tmp_path / "straight", *args, *STRATEGIES[src], nproc=n[src]))
     run(tmp_path / "src", *args, *STRATEGIES[src], "trainer.stop_at_step=15", nproc=n[src])
     ckpt = tmp_path / "src" / "checkpoints" / "step_0000015"
     moved = losses(run(tmp_path / "dst", *args, *STRATEGIES[dst], f"resume={ckpt}", nproc=n[dst]))
-    rel = max(abs(moved[s] / straight[s] - 1) for s in range(16, STEPS + 1))
+    rel = max(abs(moved[s] / whole[s] - 1) for s in range(16, STEPS + 1))
     record(results, f"moves/{src}-to-{dst}", {"max_rel": rel})
     assert sorted(moved)[0] == 16
     assert rel <= PARITY_TOL, rel
 
 
+# One 1b run at a time (xdist's loadgroup): each compiles the model on many CPU threads.
+@pytest.mark.xdist_group("memory_1b")
 @pytest.mark.parametrize("name", [param(n) for n in STRATEGIES])
 def test_memory_prediction_at_1b_within_10_percent(name, tmp_path, results):
     """Compiled, as users run it (single: tests/gpu/test_single_gpu.py)."""

@@ -1,0 +1,60 @@
+"""bench/launch_times.py's clock: the time to a step, and the limit that stops a slow start."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("launch_times", ROOT / "bench/launch_times.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _spawn(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_step_time_is_when_the_step_is_written(tmp_path):
+    lt, metrics = _module(), tmp_path / "metrics.jsonl"
+    code = f"import time; time.sleep(1); open({str(metrics)!r}, 'w').write('{{\"step\": 10, }}\\n')"
+    t0 = time.perf_counter()
+    proc = _spawn(code + "; time.sleep(30)")
+    try:
+        t = lt.step_time(metrics, 10, proc, t0, limit=20)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert t is not None and 0.9 < t < 10
+
+
+def test_a_start_past_the_limit_is_stopped_with_its_children(tmp_path):
+    lt = _module()
+    child = tmp_path / "child.pid"
+    # A launcher that starts a worker (as torchrun does) and never logs a step.
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    t0 = time.perf_counter()
+    proc = _spawn(code)
+    assert lt.step_time(tmp_path / "metrics.jsonl", 10, proc, t0, limit=2) is None
+    assert time.perf_counter() - t0 < 15
+    assert proc.returncode is not None and proc.returncode < 0
+    pid = int(child.read_text())
+    for _ in range(50):  # the worker is gone too (killed with the launcher's group)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {pid} outlived the limit")
