@@ -72,12 +72,12 @@ def test_int8_mm_equals_int_mm_exactly(it, m, n, k):
     assert torch.equal(out, i8.int_mm(a, b))  # torch._int_mm, zero-padded where CUDA needs it
 
 
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", range(3))
 def test_every_tuned_config_is_exact(it, i):
     """Autotuning may pick any of them for a shape: each computes the exact product (and the
     same fused dequantization). M, N not multiples of the tiles, K one of 128 as at dtrain's
     shapes (the masked-K path is the small config's, on the odd shapes above)."""
-    assert len(it._BIG) == 8  # the parametrization above counts them
+    assert len(it._BIG) == 3  # the parametrization above counts them
     config = it._BIG[i]
     for m, n, k in [(2048 + 64, 1024 + 48, 1024)]:
         a, b, sa, sb = _operands(m, n, k)
