@@ -74,10 +74,16 @@ def once(root: Path, name: str, make) -> Path:
     """`make(dir)` run once per suite under root/name, whichever test (or xdist worker) asks
     first; the others wait on its lock and read what it left. Returns root/name."""
     root.mkdir(parents=True, exist_ok=True)
-    target, done = root / name, root / f"{name}.done"
+    target, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
     with FileLock(str(root / f"{name}.lock")):
+        if failed.exists():  # one failure is reported by every test that needs it, run once
+            raise AssertionError(f"shared run {name} failed: {failed.read_text()}")
         if not done.exists():
-            make(target)
+            try:
+                make(target)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-4000:])
+                raise
             done.touch()
     return target
 
