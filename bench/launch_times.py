@@ -40,6 +40,11 @@ STRATEGIES = {
     "zero1": (2, ["strategy=zero1"]),
     "zero2": (2, ["strategy=zero2"]),
     "zero3": (2, ["strategy=zero3"]),
+    # DeepCompile compiling once, at step 0, instead of at steps 0 and 5 (strategy.
+    # deepcompile_schedule; which keeps zero3's speed is what this measures)
+    "zero3_once": (2, ["strategy=zero3", "strategy.deepcompile_schedule=once"]),
+    "zero3_resident": (2, ["strategy=zero3", "strategy.deepcompile_schedule=resident"]),
+    "zero3_gather": (2, ["strategy=zero3", "strategy.deepcompile_schedule=gather"]),
 }
 
 
@@ -92,7 +97,11 @@ def measure(name: str, root: Path, limit: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument(
+        "--strategies",
+        default="single,ddp,fsdp,zero1,zero2,zero3",
+        help=f"any of {','.join(STRATEGIES)}",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--root", type=Path, default=Path("/tmp/runs/launch"))
     ap.add_argument("--limit", type=float, default=150, help="seconds to wait for step 10")

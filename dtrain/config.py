@@ -27,6 +27,8 @@ AttentionKernel = Literal["auto", "cudnn", "flash", "efficient", "math"]  # auto
 ActivationCheckpointingMode = Literal["none", "full", "selective"]
 CompileScope = Literal["model", "blocks"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
+# When DeepCompile runs its ZeRO-3 passes (dtrain.strategies.deepspeed.DEEPCOMPILE_SCHEDULES)
+DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
 OnNonfinite = Literal["skip", "stop"]
 WandbMode = Literal["offline", "online", "disabled"]
@@ -84,6 +86,9 @@ class StrategyConfig:
     offload_params: bool = False  # deepspeed (stage 3): parameters on the CPU
     # deepspeed (stage 1/3, CUDA): DeepSpeed's DeepCompile passes; None: on for ZeRO-3 on CUDA
     deepcompile: bool | None = None
+    # DeepCompile under ZeRO-3: which passes at which step (deepspeed: DeepSpeed's own, the
+    # model compiled twice, at steps 0 and 5; the others compile once, at step 0)
+    deepcompile_schedule: DeepCompileSchedule = "deepspeed"
 
 
 @dataclass

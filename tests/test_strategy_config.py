@@ -52,6 +52,10 @@ BAD = [
     (["strategy=ddp", "strategy.deepcompile=true"], 2, "does not apply to strategy=ddp"),
     (["strategy=zero2", "strategy.deepcompile=true"], 2, "stages 1 and 3 only"),
     (["strategy=zero3", "strategy.deepcompile=true"], 2, "needs CUDA"),
+    (["strategy=fsdp", "strategy.deepcompile_schedule=once"], 2, "does not apply to strategy=fsdp"),
+    # on CPU zero3 runs without DeepCompile: a schedule for its passes would be ignored
+    (["strategy=zero3", "strategy.deepcompile_schedule=once"], 2, "does not use them"),
+    (["strategy=zero1", "strategy.deepcompile_schedule=resident"], 2, "does not use them"),
     (
         ["strategy=zero3", "strategy.deepcompile=true", "strategy.compile=false"],
         2,
@@ -81,6 +85,60 @@ def test_bad_values_exit_2_with_one_line(tmp_path, args, message):
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_deepcompile_schedules_are_valid_deepspeed_schedules():
+    """Every strategy.deepcompile_schedule is a choice of the config and a schedule DeepSpeed's
+    own contract check accepts (each pass's requirements met within its step)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    import typing
+
+    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
+    from deepspeed.compile.passes.contract import register_pass_contract, validate_schedule
+
+    from dtrain.config import DeepCompileSchedule
+    from dtrain.strategies.deepspeed import DEEPCOMPILE_SCHEDULES
+
+    assert set(DEEPCOMPILE_SCHEDULES) == set(typing.get_args(DeepCompileSchedule))
+    registry = {
+        zero3_compile.NAME: zero3_compile.add_z3_gather_release,
+        prefetch.NAME: prefetch.schedule_prefetch,
+        selective_gather.NAME: selective_gather.selective_gather,
+    }
+    for mod in (zero3_compile, prefetch, selective_gather):  # as the engine registers them
+        register_pass_contract(mod.NAME, mod.CONTRACT)
+    for name, schedule in DEEPCOMPILE_SCHEDULES.items():
+        if schedule is None:
+            continue
+        validate_schedule(schedule, registry)
+        assert all(p in registry for _, passes in schedule for p in passes), name
+    with pytest.raises(Exception, match="prefetch"):  # the check does catch a broken one
+        validate_schedule([(0, ["prefetch"])], registry)
+
+
+def test_the_deepcompile_schedule_reaches_engine_compile(monkeypatch):
+    """zero3 with DeepCompile hands the chosen schedule to DeepSpeed's engine.compile."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    import torch
+
+    from dtrain.dist import DistEnv
+    from dtrain.strategies.deepspeed import DEEPCOMPILE_SCHEDULES
+
+    cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    cfg = compose(*FAST, "strategy=zero3", "precision=bf16", "strategy.deepcompile_schedule=resident")
+    s = build_strategy(cfg.strategy, PRECISIONS["bf16"], cuda)  # the checks read the device type
+    assert s.deepcompile
+    seen = []
+
+    class Engine:
+        def compile(self, **kwargs):
+            seen.append(kwargs)
+
+    s.engine = Engine()
+    s._compile_engine()
+    assert seen == [{"schedule": DEEPCOMPILE_SCHEDULES["resident"]}]
 
 
 def test_deepcompile_goes_into_deepspeeds_config():

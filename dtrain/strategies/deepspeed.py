@@ -127,6 +127,20 @@ def bucket_elements(cfg: StrategyConfig) -> int:
     return cfg.bucket_cap_mb * 2**20 // 4
 
 
+# strategy.deepcompile_schedule -> DeepSpeed's `engine.compile(schedule=...)` for ZeRO-3.
+# DeepSpeed's own (None) gathers and releases at step 0, then at optimizer step 5 resets Dynamo
+# and compiles everything again with prefetch and selective gather: two whole-model compiles,
+# each profiled op by op (deepspeed/compile/init_z3.py, backend.py). The others compile once:
+# "once" every pass at step 0; "resident" without prefetch (and its all-gather benchmark),
+# keeping the parameters that fit gathered; "gather" the gather/release pass alone.
+DEEPCOMPILE_SCHEDULES: dict[str, list | None] = {
+    "deepspeed": None,
+    "once": [(0, ["zero3_compile", "prefetch", "selective_gather"])],
+    "resident": [(0, ["zero3_compile", "selective_gather"])],
+    "gather": [(0, ["zero3_compile"])],
+}
+
+
 def uses_deepcompile(cfg: StrategyConfig, device_type: str) -> bool:
     """strategy.deepcompile, or its default: on for ZeRO-3 on CUDA, only where it was measured
     (not with ZeRO-Offload: DeepCompile has offload passes of its own that dtrain does not
@@ -160,7 +174,7 @@ class DeepSpeedStrategy(Strategy):
     # cannot live in DeepSpeed's flat bf16 buffers (ZeRO-3 gathers them in its own hooks).
     precisions = ("fp32", "bf16")
     own_optimizer = True
-    options = ("stage", "offload_optimizer", "offload_params", "deepcompile")
+    options = ("stage", "offload_optimizer", "offload_params", "deepcompile", "deepcompile_schedule")
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.stage = zero_stage(cfg)
@@ -197,6 +211,14 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(
                 "strategy.deepcompile=true compiles the model; it cannot go with "
                 "strategy.compile=false"
+            )
+        if cfg.deepcompile_schedule != "deepspeed" and not (
+            stage == 3 and uses_deepcompile(cfg, device_type)
+        ):
+            raise ConfigError(
+                f"strategy.deepcompile_schedule={cfg.deepcompile_schedule} chooses DeepCompile's "
+                "ZeRO-3 passes, but this run does not use them (strategy=zero3 on CUDA with "
+                "strategy.deepcompile not false); remove it"
             )
         if cfg.deepcompile and device_type != "cuda":
             raise ConfigError(
@@ -346,13 +368,20 @@ class DeepSpeedStrategy(Strategy):
         )
         # DeepSpeed's bf16 casts every buffer; RoPE angles in bf16 lose positions. Keep fp32.
         module.rope_cache = rope
-        if self.deepcompile or (self.compile_enabled and self.stage == 3):
-            self.engine.compile()
+        self._compile_engine()
         self.module, self.model = module, self.engine
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._grad_bytes = 0
         if self.stage == 1:
             self._watch_reduction()
+
+    def _compile_engine(self) -> None:
+        """DeepCompile (its ZeRO-3 passes on the chosen schedule), or the engine compiled plainly
+        where that was asked for; nothing for an eager engine."""
+        if self.deepcompile and self.stage == 3:
+            self.engine.compile(schedule=DEEPCOMPILE_SCHEDULES[self.cfg.deepcompile_schedule])
+        elif self.deepcompile or (self.compile_enabled and self.stage == 3):
+            self.engine.compile()
 
     def _watch_reduction(self) -> None:
         """ZeRO-1: count gradient bytes as each backward hands over to the engine's reduction
