@@ -127,7 +127,9 @@ def test_the_deepcompile_schedule_reaches_engine_compile(monkeypatch):
     from dtrain.strategies.deepspeed import DEEPCOMPILE_SCHEDULES
 
     cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
-    cfg = compose(*FAST, "strategy=zero3", "precision=bf16", "strategy.deepcompile_schedule=resident")
+    cfg = compose(
+        *FAST, "strategy=zero3", "precision=bf16", "strategy.deepcompile_schedule=resident"
+    )
     s = build_strategy(cfg.strategy, PRECISIONS["bf16"], cuda)  # the checks read the device type
     assert s.deepcompile
     seen = []

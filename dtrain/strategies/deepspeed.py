@@ -174,7 +174,13 @@ class DeepSpeedStrategy(Strategy):
     # cannot live in DeepSpeed's flat bf16 buffers (ZeRO-3 gathers them in its own hooks).
     precisions = ("fp32", "bf16")
     own_optimizer = True
-    options = ("stage", "offload_optimizer", "offload_params", "deepcompile", "deepcompile_schedule")
+    options = (
+        "stage",
+        "offload_optimizer",
+        "offload_params",
+        "deepcompile",
+        "deepcompile_schedule",
+    )
 
     def __init__(self, cfg: StrategyConfig, precision: Precision, env: DistEnv):
         self.stage = zero_stage(cfg)
