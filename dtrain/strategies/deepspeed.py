@@ -487,14 +487,13 @@ class DeepSpeedStrategy(Strategy):
         flat = [p for g in inner.param_groups for p in g["params"]]
         if not all(p in inner.state for p in flat):
             self._create_optimizer_states(inner)
-        if self.stage < 3:
-            # Point every parameter's fragment at its slice of the moments. DeepSpeed (0.19) links
-            # them once, right after stepping the first parameter group, when the later groups'
-            # moments do not exist yet; ours has two (decayed matrices, undecayed gains).
-            from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+        # Point every parameter's fragment at its slice of the moments. DeepSpeed (0.19) links
+        # them once, right after stepping the first parameter group, when the later groups'
+        # moments do not exist yet; ours has two (decayed matrices, undecayed gains).
+        from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
 
-            for i, hp in enumerate(opt.single_partition_of_fp32_groups):
-                lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], hp, inner.state)
+        for i, hp in enumerate(opt.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], hp, inner.state)
 
     def _ensure_zero3_optimizer_states(self, opt) -> None:
         """ZeRO-3 keeps its inner optimizer's param groups empty and binds each sub-group's
