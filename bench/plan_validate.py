@@ -3,6 +3,11 @@
     python bench/plan_validate.py --out $OUT                       # 1b and 8b, 1 and 2 GPUs
     python bench/plan_validate.py --out $OUT --profile $OUT/profile.json  # and a profile
     python bench/plan_validate.py --out /tmp/pv --smoke            # CPU, tiny (tests run this)
+    python bench/plan_validate.py --out $OUT --from-runs RUN_DIR...  # runs made for other ends
+
+With --from-runs no run is made: each given run dir's own logged prediction (every run on a known
+GPU logs `predicted_tokens_per_s_per_gpu`, datasheet figures) is set beside its measured speed,
+so the runs of other benchmarks (bench/lowp.sh, bench/launch_times.py, ...) count as points.
 
 Each point trains a few compiled steps through the real trainer (bench/memory_check.py's
 run_point: synthetic data, torchrun for 2+ GPUs) and its measured tokens/s per GPU (the mean of
@@ -55,6 +60,31 @@ def grid(models: str, strategies: str, precisions: str, nprocs: str) -> list[dic
                         }
                     )
     return points
+
+
+def rows_from_runs(run_dirs: list[str]) -> list[dict]:
+    """One row per run dir, from what it logged (dtrain.cli.compare's summary); runs with no
+    logged prediction (CPU, unknown GPU) or no steady interval are kept, marked, not scored."""
+    from dtrain.cli.compare import read_run
+
+    rows = []
+    for d in run_dirs:
+        s = read_run(d)
+        scored = bool(s.tokens_per_s_per_gpu) and s.predicted_tokens_per_s_per_gpu is not None
+        rows.append(
+            {
+                "name": Path(d).name,
+                "run_dir": str(d),
+                "model": s.model,
+                "strategy": s.strategy,
+                "precision": s.precision,
+                "nproc": s.world_size,
+                "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu,
+                "predicted_tokens_per_s_per_gpu": s.predicted_tokens_per_s_per_gpu,
+                "status": "ok" if scored else "no prediction or no steady interval",
+            }
+        )
+    return rows
 
 
 def point_args(args, model: str):
@@ -123,10 +153,14 @@ def summarize(rows: list[dict], key: str = "predicted_tokens_per_s_per_gpu") -> 
 
 
 def markdown(rows: list[dict], summaries: dict, args, device: str) -> str:
+    how = (
+        "the runs' own logged predictions"
+        if args.from_runs
+        else f"{args.steps} steps a point, compile={args.compile}"
+    )
     lines = [
         f"Predicted vs measured tokens/s per GPU. Card: {device} (planned as {args.gpu}). "
-        f"Date: {datetime.date.today().isoformat()}. {args.steps} steps a point, "
-        f"compile={args.compile}.",
+        f"Date: {datetime.date.today().isoformat()}. {how}.",
         "",
         f"Command: `python bench/plan_validate.py {' '.join(sys.argv[1:])}`",
         "",
@@ -175,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", default=None, help="dtrain.hardware name (default: this card's)")
     ap.add_argument("--profile", default=None, help="a dtrain.cli.calibrate profile, predicted too")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per point")
+    ap.add_argument("--from-runs", nargs="+", metavar="RUN_DIR", help="score these runs instead")
     ap.add_argument("extra", nargs="*", help="more overrides for every point")
     args = ap.parse_args(argv)
     if not args.out:
         ap.error("--out (or $OUT) is required")
+    if args.from_runs:
+        return write_from_runs(args)
     args.models = args.models or ("tiny" if args.smoke else "1b,8b")
     args.precisions = args.precisions or ("fp32" if args.smoke else "bf16,fp8")
     args.compile, args.all_pairs = not args.smoke, False
@@ -228,6 +265,29 @@ def main(argv: list[str] | None = None) -> int:
     (out / "plan_validate.md").write_text(markdown(rows, summaries, args, device))
     print((out / "plan_validate.md").read_text())
     return 0
+
+
+def write_from_runs(args) -> int:
+    """--from-runs: the table and summary of runs already made (no GPU needed to score them)."""
+    rows = rows_from_runs(args.from_runs)
+    devices = sorted({read_device(Path(r["run_dir"])) for r in rows})
+    device, args.gpu = ", ".join(devices), args.gpu or "as each run logged"
+    summaries = {"datasheet": summarize(rows)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_validate.json").write_text(
+        json.dumps({"device": device, "rows": rows, "summary": summaries}, indent=1, default=str)
+    )
+    (out / "plan_validate.md").write_text(markdown(rows, summaries, args, device))
+    print((out / "plan_validate.md").read_text())
+    return 0
+
+
+def read_device(run_dir: Path) -> str:
+    """The card a run logged in its `run` record ("?" if none)."""
+    from dtrain.cli.compare import read_run
+
+    return read_run(run_dir).device
 
 
 if __name__ == "__main__":

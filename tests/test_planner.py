@@ -338,6 +338,55 @@ def test_validation_summary_counts_hits_and_picks():
     assert rows[0]["predicted_error_pct"] == pytest.approx(10)
 
 
+def _logged_run(run_dir, model, strategy, precision, world, predicted, intervals):
+    """A metrics.jsonl as a run on a known GPU writes it: the step-0 record with the run's
+    description and its speed prediction, then logged steps."""
+    run_dir.mkdir(parents=True)
+    info = {"model": model, "strategy": strategy, "precision": precision, "world_size": world}
+    recs = [{"step": 0, "run": {**info, "device": "NVIDIA H200"}}]
+    recs.append({"step": 0, "predicted_tokens_per_s_per_gpu": predicted})
+    for i, tok in enumerate(intervals, 1):
+        recs.append({"step": 10 * i, "loss": 5.0 - i, "tokens_per_s_per_gpu": tok, "mfu": 0.5})
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
+    """--from-runs: each run's own logged prediction beside its steady measured speed (the
+    first interval, compile and warm-up, left out); a run with no prediction is listed, not
+    scored."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    runs = tmp_path / "runs"
+    _logged_run(runs / "single1b_bf16", "1b", "single", "bf16", 1, 59000, [3000, 60000, 61000])
+    _logged_run(runs / "single1b_fp8", "1b", "single", "fp8", 1, 71000, [1400, 74000, 74000])
+    _logged_run(runs / "single1b_int8", "1b", "single", "int8", 1, 80000, [1200, 61000, 61000])
+    _logged_run(runs / "cpu_run", "tiny", "single", "fp32", 1, None, [100, 100])
+    res = subprocess.run(
+        [sys.executable, "bench/plan_validate.py", "--out", str(tmp_path / "out")]
+        + ["--from-runs", *(str(d) for d in sorted(runs.iterdir()))],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "out" / "plan_validate.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["single1b_bf16"]["tokens_per_s_per_gpu"] == pytest.approx(60500)
+    assert rows["single1b_bf16"]["predicted_error_pct"] == pytest.approx(100 * (59000 / 60500 - 1))
+    assert rows["cpu_run"]["status"] != "ok" and "predicted_error_pct" not in rows["cpu_run"]
+    s = data["summary"]["datasheet"]
+    # bf16 -2.5%, fp8 -4.1%, int8 +31%: 2 of 3 within 15%; the plan picks int8 (80k predicted),
+    # which ran at 61/74 of the fastest (fp8): outside 5%
+    assert (s["points"], s["within_band"]) == (3, 2)
+    assert s["picks"]["1b x1"]["pick"] == "single1b_int8" and not s["picks"]["1b x1"]["within"]
+    assert "NVIDIA H200" in (tmp_path / "out" / "plan_validate.md").read_text()
+
+
 @pytest.mark.slow
 def test_validation_bench_smoke(tmp_path):
     import subprocess
