@@ -102,9 +102,10 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()
     r.profiler.start()
-    first = SlowStepNotice(step + 1, r.strategy.first_step_work()).start()
+    slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
 
     while step < end:
+        notice = SlowStepNotice(step + 1, slow.get(step + 1)).start()
         point("train.step", step=step + 1)
         if heartbeat is not None:
             heartbeat.set_step(step + 1)
@@ -117,7 +118,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         grad_norm = r.strategy.clip_and_step(lr, t.grad_clip)
         r.profiler.step()
         step += 1
-        first.stop()
+        notice.stop()
         info = report.step_done(step, lr, grad_norm)  # None but on a logged step
         progress.update(step, info)
         if r.ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)
@@ -137,7 +138,6 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
             saver.save(step)
             report.restart_clock()
 
-    first.stop()  # (no step ran)
     r.profiler.stop()
     saver.settle(step)
     if not stopped_by_signal:

@@ -130,3 +130,54 @@ def test_the_first_step_work_is_named_by_the_strategy():
     compiled = build_strategy(StrategyConfig(name="single", compile=True), precision, env)
     assert eager.first_step_work() is None
     assert "torch.compile" in compiled.first_step_work()
+
+
+def test_every_slow_step_the_strategy_names_is_announced_while_it_runs(tmp_path, monkeypatch):
+    """Not only the first step: the loop arms the notice for each step the strategy names
+    (DeepCompile's second compile), with that step's words, and for no other step."""
+    import dtrain.train as train_mod
+    from dtrain.strategies.single import SingleStrategy
+
+    armed = []
+
+    class Recorder:
+        def __init__(self, step, what):
+            armed.append((step, what))
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(train_mod, "SlowStepNotice", Recorder)
+    monkeypatch.setattr(
+        SingleStrategy, "slow_steps", lambda self, first: {first: "a", first + 2: "b"}
+    )
+    train(tmp_path / "run", "trainer.max_steps=4", "trainer.eval_every=0")
+    assert armed == [(1, "a"), (2, None), (3, "b"), (4, None)]
+
+
+def test_deepcompiles_second_compile_is_a_named_slow_step():
+    """DeepSpeed's default schedule compiles again after WARMUP optimizer steps of this
+    process (a resumed run counts from its own first step); the `once` schedule does not."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    from deepspeed.compile.init_z3 import WARMUP
+
+    from dtrain.dist import DistEnv
+    from dtrain.precision import PRECISIONS
+    from dtrain.strategies import build_strategy
+    from tests.conftest import compose
+
+    cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    for schedule, later in (("deepspeed", True), ("once", False)):
+        cfg = compose(*FAST, "strategy=zero3", f"strategy.deepcompile_schedule={schedule}")
+        s = build_strategy(cfg.strategy, PRECISIONS["bf16"], cuda)  # checks read the device type
+        steps = s.slow_steps(31)
+        assert "DeepCompile" in steps[31]
+        assert (31 + WARMUP in steps) == later
+        if later:
+            assert "compiling the model again" in steps[31 + WARMUP]

@@ -223,6 +223,13 @@ class Strategy:
             return "torch.compile is tracing the model and Inductor is generating its kernels"
         return None
 
+    def slow_steps(self, first_step: int) -> dict[int, str]:
+        """The loop steps of this process that run long, each with what it does then (the
+        loop says it in the log while such a step runs): by default the first, which compiles.
+        `first_step` is the process's first loop step (after a resume, not 1)."""
+        what = self.first_step_work()
+        return {first_step: what} if what else {}
+
     # --- what the memory planner reads -------------------------------------------------
     @classmethod
     def memory_facts(cls, name: str) -> MemoryFacts | None:

@@ -269,6 +269,20 @@ class DeepSpeedStrategy(Strategy):
             )
         return super().first_step_work()
 
+    def slow_steps(self, first_step: int) -> dict[int, str]:
+        steps = super().slow_steps(first_step)
+        if self.deepcompile and self.stage == 3 and self.cfg.deepcompile_schedule == "deepspeed":
+            # DeepSpeed's schedule compiles again once the engine has taken WARMUP optimizer
+            # steps (counted from this process's start: dtrain loads checkpoints itself).
+            from deepspeed.compile.init_z3 import WARMUP
+
+            steps[first_step + WARMUP] = (
+                "DeepCompile is compiling the model again, with its prefetch and selective-gather "
+                "passes (DeepSpeed's schedule; strategy.deepcompile_schedule=once compiles at "
+                "the first step only)"
+            )
+        return steps
+
     @classmethod
     def compiles(cls, cfg: StrategyConfig, device_type: str) -> bool:
         # DeepSpeed's stage-3 parameter-fetch hooks break compiled graphs: eager unless asked
