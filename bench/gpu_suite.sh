@@ -18,8 +18,10 @@ PAR=""
 if python3 -c "import xdist" 2>/dev/null; then PAR="-n ${WORKERS:-4} --dist loadgroup"; fi
 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu --junitxml=$OUT/gpu_suite.xml \
   --durations=0 $PAR ${SUITE:-} > $OUT/gpu_suite.log 2>&1
+rc=$?
 grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/gpu_suite.log | tail -60
 if [ "${LAUNCH:-1}" = 1 ]; then
   python3 bench/launch_times.py --out $OUT/launch_times.json --limit ${LAUNCH_LIMIT:-150} \
     ${LAUNCH_STRATEGIES:-}
 fi
+exit $rc  # the tests' verdict (launch times are figures, not pass/fail)

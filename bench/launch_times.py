@@ -48,6 +48,24 @@ STRATEGIES = {
 }
 
 
+def kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every rank it started, so the GPUs are free for the next one.
+    torchrun starts each rank in a session of its own (its DataLoader workers with it): each
+    rank's group first, then the launcher's (a one-process run is the launcher's group)."""
+    from dtrain.launcher import worker_pids
+
+    for pid in worker_pids(proc.pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already, or not a group leader's group any more
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
 def step_time(
     metrics: Path, step: int, proc: subprocess.Popen, t0: float, limit: float
 ) -> float | None:
@@ -58,8 +76,7 @@ def step_time(
         if metrics.exists() and needle in metrics.read_text():
             return time.perf_counter() - t0
         if time.perf_counter() - t0 > limit:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the GPUs free again
-            proc.wait()
+            kill_run(proc)
             return None
         time.sleep(0.2)
     return time.perf_counter() - t0 if metrics.exists() and needle in metrics.read_text() else None
@@ -79,7 +96,10 @@ def measure(name: str, root: Path, limit: float) -> dict:
         cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     t10 = step_time(run_dir / "metrics.jsonl", 10, proc, t0, limit)
-    proc.wait()
+    try:  # the run's 20 steps end soon after step 10: a hang past this is not timed
+        proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        kill_run(proc)
     recs = (
         [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
         if (run_dir / "metrics.jsonl").exists()

@@ -28,6 +28,7 @@ import copy
 import datetime
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ for p in (ROOT, ROOT / "bench"):
 
 # model -> (micro-batch, seq_len, vocab): the shapes of docs/benchmarks.md
 SHAPES = {"1b": (8, 2048, 50304), "8b": (1, 8192, 128256), "tiny": (4, 64, 512)}
+PREDICTED = "predicted_tokens_per_s_per_gpu"  # what a run on a known GPU logs (metrics.jsonl)
 SPEED_BAND = 0.15  # the goal: predicted within ±15% of measured
 PICK_BAND = 0.05  # the plan's first pick within 5% of the fastest measured
 
@@ -63,25 +65,38 @@ def grid(models: str, strategies: str, precisions: str, nprocs: str) -> list[dic
 
 
 def rows_from_runs(run_dirs: list[str]) -> list[dict]:
-    """One row per run dir, from what it logged (dtrain.cli.compare's summary); runs with no
-    logged prediction (CPU, unknown GPU) or no steady interval are kept, marked, not scored."""
-    from dtrain.cli.compare import read_run
-
+    """One row per run dir, from what its metrics.jsonl holds: the `run` record (model,
+    strategy, precision, world size, card, batch shape), the logged prediction, and the
+    median tokens/s per GPU of the logged intervals after the first (compile and warm-up; a
+    later recompile is an outlier the median leaves out). Runs with no prediction (CPU, an
+    unknown card) or no interval after the first are listed, marked, not scored."""
     rows = []
     for d in run_dirs:
-        s = read_run(d)
-        scored = bool(s.tokens_per_s_per_gpu) and s.predicted_tokens_per_s_per_gpu is not None
+        recs = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x]
+        run = next((r["run"] for r in recs if "run" in r), {})
+        predicted = next(
+            (r[PREDICTED] for r in recs if r.get(PREDICTED) is not None and "loss" not in r), None
+        )
+        steady = [r["tokens_per_s_per_gpu"] for r in recs if "loss" in r][1:]
+        measured = statistics.median(steady) if steady else None
+        world = int(run.get("world_size", 1))
+        shape = f"{run.get('micro_batch_size', '?')}x{run.get('seq_len', '?')}"
         rows.append(
             {
                 "name": Path(d).name,
                 "run_dir": str(d),
-                "model": s.model,
-                "strategy": s.strategy,
-                "precision": s.precision,
-                "nproc": s.world_size,
-                "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu,
-                "predicted_tokens_per_s_per_gpu": s.predicted_tokens_per_s_per_gpu,
-                "status": "ok" if scored else "no prediction or no steady interval",
+                "model": run.get("model", "?"),
+                "strategy": run.get("strategy", "?"),
+                "precision": run.get("precision", "?"),
+                "nproc": world,
+                "gpu": run.get("gpu", "?"),
+                # picks compare runs of one model, world size, card and batch shape only
+                "group": f"{run.get('model', '?')} x{world} {run.get('gpu', '?')} {shape}",
+                "tokens_per_s_per_gpu": measured,
+                "predicted_tokens_per_s_per_gpu": predicted,
+                "status": "ok"
+                if measured and predicted is not None
+                else "no prediction or no interval after the first",
             }
         )
     return rows
@@ -130,7 +145,7 @@ def summarize(rows: list[dict], key: str = "predicted_tokens_per_s_per_gpu") -> 
     within = [r for r in ok if abs(r[key] / r["tokens_per_s_per_gpu"] - 1) <= SPEED_BAND]
     groups: dict[str, list[dict]] = {}
     for r in ok:
-        groups.setdefault(f"{r['model']} x{r['nproc']}", []).append(r)
+        groups.setdefault(r.get("group") or f"{r['model']} x{r['nproc']}", []).append(r)
     picks = {}
     for g, rs in groups.items():
         pick = max(rs, key=lambda r: r[key])
@@ -270,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_from_runs(args) -> int:
     """--from-runs: the table and summary of runs already made (no GPU needed to score them)."""
     rows = rows_from_runs(args.from_runs)
-    devices = sorted({read_device(Path(r["run_dir"])) for r in rows})
-    device, args.gpu = ", ".join(devices), args.gpu or "as each run logged"
+    device = ", ".join(sorted({r["gpu"] for r in rows}))
+    args.gpu = args.gpu or "as each run logged"
     summaries = {"datasheet": summarize(rows)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,13 +296,6 @@ def write_from_runs(args) -> int:
     (out / "plan_validate.md").write_text(markdown(rows, summaries, args, device))
     print((out / "plan_validate.md").read_text())
     return 0
-
-
-def read_device(run_dir: Path) -> str:
-    """The card a run logged in its `run` record ("?" if none)."""
-    from dtrain.cli.compare import read_run
-
-    return read_run(run_dir).device
 
 
 if __name__ == "__main__":

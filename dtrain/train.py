@@ -87,6 +87,23 @@ def run(cfg: TrainConfig) -> dict:
         stop.restore()
 
 
+def one_step(r: Run, report: StepReport, step: int, heartbeat) -> tuple[float, float]:
+    """Optimizer step `step + 1`: its micro-batches forward and backward, then the update;
+    returns its learning rate and gradient norm."""
+    point("train.step", step=step + 1)
+    if heartbeat is not None:
+        heartbeat.set_step(step + 1)
+    if r.inject is not None:
+        r.inject.before_step(step + 1)
+    for i, (x, y) in enumerate(report.next_batches()):
+        loss = r.strategy.forward_backward(x, y, last_micro=i == r.accum - 1, loss_div=r.accum)
+        report.add_loss(loss)
+    lr = lr_at(step, r.cfg.optim, r.cfg.trainer.max_steps)
+    grad_norm = r.strategy.clip_and_step(lr, r.cfg.trainer.grad_clip)
+    r.profiler.step()
+    return lr, grad_norm
+
+
 def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     """Steps from r.start_step to r.end_step: eval, save and stop where they are due."""
     t = r.cfg.trainer
@@ -105,20 +122,9 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
 
     while step < end:
-        notice = SlowStepNotice(step + 1, slow.get(step + 1)).start()
-        point("train.step", step=step + 1)
-        if heartbeat is not None:
-            heartbeat.set_step(step + 1)
-        if r.inject is not None:
-            r.inject.before_step(step + 1)
-        for i, (x, y) in enumerate(report.next_batches()):
-            loss = r.strategy.forward_backward(x, y, last_micro=i == r.accum - 1, loss_div=r.accum)
-            report.add_loss(loss)
-        lr = lr_at(step, r.cfg.optim, t.max_steps)
-        grad_norm = r.strategy.clip_and_step(lr, t.grad_clip)
-        r.profiler.step()
+        with SlowStepNotice(step + 1, slow.get(step + 1)):  # stopped however the step ends
+            lr, grad_norm = one_step(r, report, step, heartbeat)
         step += 1
-        notice.stop()
         info = report.step_done(step, lr, grad_norm)  # None but on a logged step
         progress.update(step, info)
         if r.ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)

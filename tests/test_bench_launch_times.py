@@ -35,13 +35,24 @@ def test_step_time_is_when_the_step_is_written(tmp_path):
     assert t is not None and 0.9 < t < 10
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_a_start_past_the_limit_is_stopped_with_its_children(tmp_path):
     lt = _module()
     child = tmp_path / "child.pid"
-    # A launcher that starts a worker (as torchrun does) and never logs a step.
+    # A launcher that starts a worker in a session of its own (as torchrun starts each rank,
+    # so the launcher's group does not hold it) and never logs a step.
     code = (
         "import subprocess, sys, time; "
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True); "
         f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
     t0 = time.perf_counter()
@@ -50,11 +61,10 @@ def test_a_start_past_the_limit_is_stopped_with_its_children(tmp_path):
     assert time.perf_counter() - t0 < 15
     assert proc.returncode is not None and proc.returncode < 0
     pid = int(child.read_text())
-    for _ in range(50):  # the worker is gone too (killed with the launcher's group)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    for _ in range(50):  # the worker is gone too
+        if not _alive(pid):
             break
         time.sleep(0.1)
     else:
+        os.killpg(pid, 9)
         raise AssertionError(f"worker {pid} outlived the limit")

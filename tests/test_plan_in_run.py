@@ -118,6 +118,22 @@ def test_a_slow_step_says_what_it_is_doing(caplog):
     assert quiet._thread is None
 
 
+def test_a_step_that_fails_stops_its_notice(caplog):
+    """The loop holds the notice in a `with`: an exception in the step (an OOM, a NaN stop)
+    does not leave it saying "still running" through the teardown."""
+    from dtrain.run.slow_step import SlowStepNotice
+
+    caplog.set_level(logging.INFO, logger="dtrain")
+    with pytest.raises(RuntimeError):
+        with SlowStepNotice(1, "compiling", after_s=0.05, every_s=0.05) as notice:
+            time.sleep(0.2)
+            raise RuntimeError("step failed")
+    n = len([r for r in caplog.records if "still running" in r.message])
+    assert n >= 1 and notice._thread is None
+    time.sleep(0.2)
+    assert len([r for r in caplog.records if "still running" in r.message]) == n
+
+
 def test_the_first_step_work_is_named_by_the_strategy():
     from dtrain.config import PrecisionConfig, StrategyConfig
     from dtrain.dist import DistEnv
@@ -144,10 +160,10 @@ def test_every_slow_step_the_strategy_names_is_announced_while_it_runs(tmp_path,
         def __init__(self, step, what):
             armed.append((step, what))
 
-        def start(self):
+        def __enter__(self):
             return self
 
-        def stop(self):
+        def __exit__(self, *exc):
             pass
 
     monkeypatch.setattr(train_mod, "SlowStepNotice", Recorder)

@@ -117,6 +117,28 @@ def test_deepcompile_schedules_are_valid_deepspeed_schedules():
         validate_schedule([(0, ["prefetch"])], registry)
 
 
+def test_a_fixed_deepcompile_schedule_is_refused_with_offload():
+    """With offload DeepSpeed adds offload passes to its own schedule; a fixed one drops them."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    import torch
+
+    from dtrain.dist import DistEnv
+
+    cuda = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    cfg = compose(
+        *FAST,
+        "strategy=zero3",
+        "strategy.deepcompile=true",
+        "strategy.offload_optimizer=true",
+        "strategy.deepcompile_schedule=once",
+    )
+    with pytest.raises(ConfigError, match="no offload"):
+        build_strategy(cfg.strategy, PRECISIONS["bf16"], cuda)
+    cfg.strategy.deepcompile_schedule = "deepspeed"  # DeepSpeed's own: allowed
+    assert build_strategy(cfg.strategy, PRECISIONS["bf16"], cuda).deepcompile
+
+
 def test_the_deepcompile_schedule_reaches_engine_compile(monkeypatch):
     """zero3 with DeepCompile hands the chosen schedule to DeepSpeed's engine.compile."""
     if importlib.util.find_spec("deepspeed") is None:

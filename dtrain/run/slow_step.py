@@ -36,6 +36,12 @@ class SlowStepNotice:
             log.info("step %d still running after %.0f s: %s", self.step, elapsed, self.what)
             wait = self.every_s
 
+    def __enter__(self) -> SlowStepNotice:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """The step is done (cheap to call again); no line is logged after this returns."""
         if self._thread is not None:

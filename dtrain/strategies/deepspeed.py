@@ -218,13 +218,16 @@ class DeepSpeedStrategy(Strategy):
                 "strategy.deepcompile=true compiles the model; it cannot go with "
                 "strategy.compile=false"
             )
-        if cfg.deepcompile_schedule != "deepspeed" and not (
-            stage == 3 and uses_deepcompile(cfg, device_type)
+        offload = cfg.offload_params or cfg.offload_optimizer
+        if cfg.deepcompile_schedule != "deepspeed" and (
+            stage != 3 or offload or not uses_deepcompile(cfg, device_type)
         ):
+            # With offload DeepSpeed builds its own schedule with offload passes; a fixed one
+            # would drop them.
             raise ConfigError(
                 f"strategy.deepcompile_schedule={cfg.deepcompile_schedule} chooses DeepCompile's "
-                "ZeRO-3 passes, but this run does not use them (strategy=zero3 on CUDA with "
-                "strategy.deepcompile not false); remove it"
+                "ZeRO-3 passes, but this run does not use them as scheduled (it needs "
+                "strategy=zero3 on CUDA, strategy.deepcompile not false, no offload); remove it"
             )
         if cfg.deepcompile and device_type != "cuda":
             raise ConfigError(
@@ -516,7 +519,7 @@ class DeepSpeedStrategy(Strategy):
         same way, then unbound."""
         inner = opt.optimizer
         flats = opt.fp32_partitioned_groups_flat
-        if all(f in inner.state for f in flats):
+        if all("exp_avg" in inner.state.get(f, {}) for f in flats):
             return
         bound = {gid: list(g["params"]) for gid, g in enumerate(inner.param_groups)}
         for g in inner.param_groups:

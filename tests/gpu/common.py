@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -54,7 +55,9 @@ def one_gpu_env() -> dict:
         return {}
     import torch
 
-    return {"CUDA_VISIBLE_DEVICES": str(int(worker[2:]) % max(torch.cuda.device_count(), 1))}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # a narrower set given to the suite
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": gpus[int(worker[2:]) % len(gpus)]} if gpus else {}
 
 
 def run(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> list[dict]:
@@ -94,7 +97,9 @@ def shared_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1) -> 
     (the parent of each worker's base temp)."""
     base = tmp_path_factory.getbasetemp()  # under xdist: <session dir>/popen-gw<N>
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
-    d = once(root, name, lambda target: run(target, *overrides, nproc=nproc))
+    # The name says what the run is for; the digest keeps two different runs from sharing it.
+    key = hashlib.sha256(repr((overrides, nproc)).encode()).hexdigest()[:8]
+    d = once(root, f"{name}-{key}", lambda target: run(target, *overrides, nproc=nproc))
     return read_jsonl(d / "metrics.jsonl")
 
 
