@@ -338,6 +338,25 @@ def test_validation_summary_counts_hits_and_picks():
     assert rows[0]["predicted_error_pct"] == pytest.approx(10)
 
 
+def run_plan_validate(out, *args: str) -> dict:
+    """bench/plan_validate.py --out OUT ARGS, to the end; its plan_validate.json."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    res = subprocess.run(
+        [sys.executable, "bench/plan_validate.py", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(open(f"{out}/plan_validate.json").read())
+
+
 def _logged_run(run_dir, model, strategy, precision, world, predicted, intervals):
     """A metrics.jsonl as a run on a known GPU writes it: the step-0 record with the run's
     description and its speed prediction, then logged steps."""
@@ -355,11 +374,6 @@ def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
     """--from-runs: each run's own logged prediction beside its steady measured speed (the
     first interval, compile and warm-up, left out); a run with no prediction is listed, not
     scored."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, cli_env
-
     runs = tmp_path / "runs"
     # the median after the first interval: a recompile's slow interval (30000) left out
     bf16 = [3000, 60000, 30000, 61000, 60500, 60500]
@@ -368,17 +382,8 @@ def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
     _logged_run(runs / "single1b_int8", "1b", "single", "int8", 1, 80000, [1200, 61000, 61000])
     _logged_run(runs / "cpu_run", "tiny", "single", "fp32", 1, None, [100, 100])
     _logged_run(runs / "one_interval", "1b", "single", "bf16", 1, 59000, [3000])  # compile only
-    res = subprocess.run(
-        [sys.executable, "bench/plan_validate.py", "--out", str(tmp_path / "out")]
-        + ["--from-runs", *(str(d) for d in sorted(runs.iterdir()))],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    data = json.loads((tmp_path / "out" / "plan_validate.json").read_text())
+    runs_args = ["--from-runs", *(str(d) for d in sorted(runs.iterdir()))]
+    data = run_plan_validate(tmp_path / "out", *runs_args)
     rows = {r["name"]: r for r in data["rows"]}
     assert rows["single1b_bf16"]["tokens_per_s_per_gpu"] == pytest.approx(60500)
     assert rows["single1b_bf16"]["predicted_error_pct"] == pytest.approx(100 * (59000 / 60500 - 1))
@@ -396,30 +401,6 @@ def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
 
 @pytest.mark.slow
 def test_validation_bench_smoke(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, cli_env
-
-    res = subprocess.run(
-        [
-            sys.executable,
-            "bench/plan_validate.py",
-            "--out",
-            str(tmp_path),
-            "--smoke",
-            "--nprocs",
-            "1",
-            "--steps",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    data = json.loads((tmp_path / "plan_validate.json").read_text())
+    data = run_plan_validate(tmp_path, "--smoke", "--nprocs", "1", "--steps", "4")
     (row,) = data["rows"]
     assert row["status"] == "ok" and row["predicted_tokens_per_s_per_gpu"] > 0

@@ -233,18 +233,24 @@ def test_zero_checkpoint_moves_to_single_and_resumes_bit_exactly(runs, tmp_path)
     moved = tmp_path / "single_from_zero2"
     train(moved, *STEPS, MICRO[1], f"resume={runs.ckpt('zero2')}")
     assert_close(train_losses(runs.get("single")), train_losses(moved), range(11, 21))
-    run = tmp_path / "zero2_resumed"
+    assert_resumes_bit_exactly(runs, "zero2", tmp_path)
+
+
+def assert_resumes_bit_exactly(runs, name: str, tmp_path) -> None:
+    """RUNS[name] (2 ranks) resumed from its own step-10 checkpoint: steps 11-20 bitwise as
+    the straight run's."""
+    run = tmp_path / f"{name}_resumed"
     _ok(
         launch(
             *STEPS,
             MICRO[2],
-            "strategy=zero2",
-            f"resume={runs.ckpt('zero2')}",
+            *RUNS[name][1],
+            f"resume={runs.ckpt(name)}",
             f"hydra.run.dir={run}",
             nproc=2,
         )
     )
-    straight, resumed = train_losses(runs.get("zero2")), train_losses(run)
+    straight, resumed = train_losses(runs.get(name)), train_losses(run)
     for s in range(11, 21):
         assert straight[s] == resumed[s], (s, straight[s], resumed[s])
 
@@ -254,20 +260,7 @@ def test_zero_checkpoint_moves_to_single_and_resumes_bit_exactly(runs, tmp_path)
 def test_zero3_resumes_bit_exactly(runs, tmp_path):
     """ZeRO-3 binds its optimizer's partitions only while stepping: a resumed run must still
     create the moments to load into (found on 2 H200s by tests/gpu, a KeyError before)."""
-    run = tmp_path / "zero3_resumed"
-    _ok(
-        launch(
-            *STEPS,
-            MICRO[2],
-            *RUNS["zero3"][1],
-            f"resume={runs.ckpt('zero3')}",
-            f"hydra.run.dir={run}",
-            nproc=2,
-        )
-    )
-    straight, resumed = train_losses(runs.get("zero3")), train_losses(run)
-    for s in range(11, 21):
-        assert straight[s] == resumed[s], (s, straight[s], resumed[s])
+    assert_resumes_bit_exactly(runs, "zero3", tmp_path)
 
 
 @needs_deepspeed
