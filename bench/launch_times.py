@@ -45,6 +45,12 @@ STRATEGIES = {
     "zero3_once": (2, ["strategy=zero3", "strategy.deepcompile_schedule=once"]),
     "zero3_resident": (2, ["strategy=zero3", "strategy.deepcompile_schedule=resident"]),
     "zero3_gather": (2, ["strategy=zero3", "strategy.deepcompile_schedule=gather"]),
+    # Without DeepCompile: DeepSpeed's ZeRO-3 hooks, eager or under plain torch.compile.
+    "zero3_eager": (2, ["strategy=zero3", "strategy.deepcompile=false"]),
+    "zero3_compiled": (
+        2,
+        ["strategy=zero3", "strategy.deepcompile=false", "strategy.compile=true"],
+    ),
 }
 
 
@@ -125,19 +131,35 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--root", type=Path, default=Path("/tmp/runs/launch"))
     ap.add_argument("--limit", type=float, default=150, help="seconds to wait for step 10")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for all of them: a strategy that could not run to its limit in what is "
+        "left is skipped (a device call has a hard end; the figures so far are kept)",
+    )
     args = ap.parse_args()
     import torch
 
     args.root.mkdir(parents=True, exist_ok=True)
     out = {"card": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
+    end = time.perf_counter() + args.budget if args.budget is not None else None
     for name in args.strategies.split(","):
-        if STRATEGIES[name][0] > out["gpus"]:
-            out[name] = "skipped: needs 2 GPUs"
-            continue
-        out[name] = measure(name, args.root, args.limit)
+        out[name] = skip_reason(STRATEGIES[name][0], out["gpus"], args.limit, end)
+        if out[name] is None:
+            out[name] = measure(name, args.root, args.limit)
         print(name, json.dumps(out[name]), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+        if args.out:  # after each: a call cut short keeps what it measured
+            args.out.write_text(json.dumps(out, indent=1))
+
+
+def skip_reason(nproc: int, gpus: int, limit: float, end: float | None) -> str | None:
+    """Why a strategy is not measured, or None: too few GPUs, or a start that could take
+    `limit` seconds (and its steps after step 10 as long again) not fitting before `end`."""
+    if nproc > gpus:
+        return f"skipped: needs {nproc} GPUs"
+    if end is not None and time.perf_counter() + 2 * limit > end:
+        return f"skipped: {2 * limit:.0f} s for it no longer fit the budget"
+    return None
 
 
 if __name__ == "__main__":

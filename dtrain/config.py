@@ -158,6 +158,9 @@ class TrainerConfig:
     # CUDA caching allocator with expandable segments (dtrain.dist.allocator_settings), unless
     # the user set PYTORCH_[CUDA_]ALLOC_CONF: less memory held by fragmentation, same speed.
     expandable_segments: bool = True
+    # Bit-for-bit repeatable on CUDA when compiled too (dtrain.determinism): deterministic
+    # kernels where torch has them; slower. Eager runs are repeatable without it.
+    deterministic: bool = False
     # A non-finite gradient norm (NaN/inf loss or grads): skip that update (weights and
     # optimizer state untouched, counted as train/nonfinite_skipped), or save and stop.
     on_nonfinite: OnNonfinite = "stop"

@@ -16,6 +16,7 @@ from dtrain import dist as ddist
 from dtrain.attention import attention_kernel
 from dtrain.config import TrainConfig
 from dtrain.data import eval_batches
+from dtrain.determinism import deterministic
 from dtrain.errors import FaultError
 from dtrain.faults import point
 from dtrain.optim import lr_at
@@ -42,7 +43,11 @@ def run(cfg: TrainConfig) -> dict:
     orphan = OrphanWatch(stop)
     env = heartbeat = None
     try:
-        with hold_run_dir(cfg.run_dir), contextlib.ExitStack() as on_exit:
+        with (
+            hold_run_dir(cfg.run_dir),
+            deterministic(cfg.trainer.deterministic),
+            contextlib.ExitStack() as on_exit,
+        ):
             env = ddist.init_distributed(
                 cfg.trainer.device,
                 timeout_s=cfg.trainer.collective_timeout_s,

@@ -68,3 +68,11 @@ def test_a_start_past_the_limit_is_stopped_with_its_children(tmp_path):
     else:
         os.killpg(pid, 9)
         raise AssertionError(f"worker {pid} outlived the limit")
+
+
+def test_a_strategy_is_skipped_when_gpus_or_the_budget_run_out():
+    lt, now = _module(), time.perf_counter()
+    assert lt.skip_reason(2, 1, 90, None) == "skipped: needs 2 GPUs"
+    assert lt.skip_reason(2, 2, 90, None) is None
+    assert lt.skip_reason(1, 2, 90, now + 500) is None
+    assert "budget" in lt.skip_reason(1, 2, 90, now + 150)

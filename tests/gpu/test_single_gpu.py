@@ -45,7 +45,10 @@ def test_every_precision_trains_like_fp32(precision, fp32, tmp_path, results):
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
 def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, tmp_path_factory, results):
-    args = ["precision=bf16"] + ([] if compile_ else [EAGER])
+    # Compiled, the embedding's gradient is a Triton scatter of atomic adds unless
+    # trainer.deterministic (dtrain.determinism): without it step 16 on already differed (H200,
+    # 2026-11-27, up to 1.2e-4 in loss). Eager needs no switch.
+    args = ["precision=bf16"] + (["trainer.deterministic=true"] if compile_ else [EAGER])
     if compile_:
         straight = losses(run(tmp_path / "straight", *args))
     else:  # the same run as test_two_gpus.py's one-GPU reference
@@ -60,11 +63,16 @@ def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, tmp_path_factory, re
 
 def test_fp16_skips_an_injected_overflow_and_goes_on(tmp_path, results):
     recs = run(tmp_path / "run", "precision=fp16", "debug.inject_nonfinite_at_step=10", EAGER)
-    assert last(recs, "overflow_steps") == 1
+    # The scaler starts at 2^16, which real gradients may overflow too (H200, 2026-11-27:
+    # this run counted 2 skips, one of them real): the injected step must add one of its own.
+    count = {r["step"]: r["overflow_steps"] for r in recs if "overflow_steps" in r}
+    scale = {r["step"]: r["loss_scale"] for r in recs if "loss_scale" in r}
+    record(results, "fp16/overflow", {"overflow_steps": count, "loss_scale": scale})
+    assert count[10] - count[9] == 1, count
+    assert scale[10] == scale[9] / 2, scale  # the skip halves the scale
     ls = losses(recs)
     assert all(math.isfinite(ls[s]) for s in range(11, STEPS + 1))
     assert ls[STEPS] < ls[1] - 0.5
-    record(results, "fp16/overflow", {"overflow_steps": 1, "loss_scale": last(recs, "loss_scale")})
 
 
 # Frees every other tensor of growing odd sizes, then asks for larger ones: without expandable
@@ -101,7 +109,10 @@ def test_expandable_segments_are_set_by_dtrains_switch_and_cut_reserved_memory(r
     record(results, "allocator/fragmentation", out)
     assert out["1"]["setting"] == "expandable_segments:True"
     assert out["0"]["setting"] == "default"
-    assert out["1"]["allocated"] == out["0"]["allocated"]
+    # The same tensors, but not the same bytes counted: the two allocators round a request to
+    # different block sizes (H200: 1,202,331,648 vs 1,208,709,120 bytes, 0.5% apart).
+    assert abs(out["1"]["allocated"] / out["0"]["allocated"] - 1) < 0.02, out
+    assert out["1"]["reserved"] < out["0"]["reserved"], out
     waste_on = out["1"]["reserved"] - out["1"]["allocated"]
     waste_off = out["0"]["reserved"] - out["0"]["allocated"]
     assert waste_on < waste_off, out
