@@ -49,6 +49,18 @@ def test_compute_time_is_flops_over_peak_times_efficiency():
     assert plan.tokens_per_s_per_gpu == pytest.approx(tokens / plan.step_s)
 
 
+def test_an_eager_loop_runs_at_the_strategys_declared_share():
+    """ZeRO-3 without DeepCompile declares its own eager factor (its hooks); others the default."""
+    from dtrain.strategies.deepspeed import EAGER_ZERO3
+
+    machine = datasheet_machine(H100)
+    _, zero3 = _setup("strategy=zero3", "strategy.deepcompile=false", "precision=bf16", world=2)
+    _, zero2 = _setup("strategy=zero2", "strategy.compile=false", "precision=bf16", world=2)
+    assert not zero3.compile and not zero2.compile
+    assert sp._compute_rate(zero3, machine, "bf16") == pytest.approx(989e12 * EAGER_ZERO3)
+    assert sp._compute_rate(zero2, machine, "bf16") == pytest.approx(989e12 * sp.EAGER_FACTOR)
+
+
 def test_ddp_adds_its_exposed_all_reduce_by_the_ring_formula():
     machine = datasheet_machine(H100)
     cfg, one = _setup("strategy=single", "precision=bf16", "trainer.micro_batch_size=8")
@@ -284,6 +296,7 @@ def test_known_points_are_within_15_percent():
         (("strategy=fsdp",), 2, 110_400 / 2),
         (("strategy=zero2",), 2, 107_000 / 2),
         (("strategy=single", "precision=fp8"), 1, 72_515),
+        (("strategy=zero3", "strategy.deepcompile=false"), 2, 60_688 / 2),  # 2026-11-27
     ]
     machine = datasheet_machine(GPUS["h200-141gb"])
     for overrides, world, measured in points:

@@ -145,7 +145,7 @@ def _compute_rate(setup: MemorySetup, machine: Machine, kind: str) -> float:
     facts = STRATEGIES[setup.strategy].speed_facts(setup.strategy, setup)
     graph = setup.compile_scope or facts.graph
     if not setup.compile:
-        return rate * EAGER_FACTOR
+        return rate * (facts.eager_factor or EAGER_FACTOR)
     if graph == "blocks" or (setup.facts.graph_split_buckets and setup.world_size > 1):
         return rate * SPLIT_GRAPH_FACTOR
     return rate

@@ -86,6 +86,10 @@ class SpeedFacts:
     # What one compiled graph covers by default: "model" (one graph, maybe cut at gradient
     # buckets: MemoryFacts.graph_split_buckets) or "blocks" (each block and the loss apart).
     graph: str = "model"
+    # The share of the compiled matmul rate its eager (uncompiled) loop keeps; None: the
+    # planner's EAGER_FACTOR. A strategy whose eager loop does more than the model's ops (hooks
+    # per module) declares its own, measured.
+    eager_factor: float | None = None
 
 
 @dataclass

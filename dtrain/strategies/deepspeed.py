@@ -62,6 +62,9 @@ _ZERO_GATHER_UPDATED = Collective(
     why="the updated 16-bit partitions are gathered after the step, before the next forward",
 )
 _ZERO_REDUCE = dict(op="reduce_scatter", tensor="grads", dtype="reduce", calls="buckets")
+# Eager ZeRO-3's matmul rate, fitted to the run ZERO_SPEED["zero3"] names (measured 30.3k tokens/s
+# per GPU; planned at this factor: ~30.5k)
+EAGER_ZERO3 = 0.46
 ZERO_SPEED = {
     "zero1": SpeedFacts(
         (
@@ -102,6 +105,10 @@ ZERO_SPEED = {
             Collective(**_ZERO_REDUCE, overlap=0.9, why="reduced during the backward"),
         ),
         graph="blocks",
+        # Without DeepCompile each module's parameters are fetched and released by Python hooks,
+        # one collective at a time: eager zero3 ran at 0.54x fsdp (1b, 2x H200, 2026-11-27: 60.7k
+        # vs 112.8k tokens/s in one call; bench/results/2026-11-27-gpu-s9/launch_times_2xh200).
+        eager_factor=EAGER_ZERO3,
     ),
 }
 

@@ -63,8 +63,8 @@ def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, tmp_path_factory, re
 
 def test_fp16_skips_an_injected_overflow_and_goes_on(tmp_path, results):
     recs = run(tmp_path / "run", "precision=fp16", "debug.inject_nonfinite_at_step=10", EAGER)
-    # The scaler starts at 2^16, which real gradients may overflow too (H200, 2026-11-27:
-    # this run counted 2 skips, one of them real): the injected step must add one of its own.
+    # The scaler starts at 2^16, which real gradients may overflow too (H200, 2026-11-27: step 2 of
+    # this run did): the injected step must add one skip of its own.
     count = {r["step"]: r["overflow_steps"] for r in recs if "overflow_steps" in r}
     scale = {r["step"]: r["loss_scale"] for r in recs if "loss_scale" in r}
     record(results, "fp16/overflow", {"overflow_steps": count, "loss_scale": scale})
