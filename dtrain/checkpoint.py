@@ -306,6 +306,9 @@ class Saved:
     background: bool  # written by an async save
     stall_s: float  # the loop was blocked by it: snapshot, staging, waiting for it, committing
     save_s: float  # from the start of the save to its COMPLETE marker
+    # Inside stall_s, DCP's call on the loop's thread: dcp.save's plan and write (sync), or
+    # dcp.async_save's plan and staging to host memory (async). None: it never ran.
+    dcp_s: float | None = None
 
 
 @dataclass
@@ -314,6 +317,7 @@ class _InFlight:
     started: float  # time.perf_counter() when the save began (before the state was taken)
     future: Future  # the background write and commit -> (path, finish time), or raises
     stall_s: float  # loop time blocked by this save so far
+    dcp_s: float | None  # Saved.dcp_s
 
 
 def _storage_writer(partial: Path, step: int):
@@ -397,14 +401,19 @@ class CheckpointManager:
         self._check_idle()
         partial, err = self._begin(step)
 
+        dcp_s = None
+
         def write() -> None:
+            nonlocal dcp_s
             faults.point("ckpt.save.after_mkdir", step=step)
+            t0 = time.perf_counter()
             dcp.save(state, storage_writer=_storage_writer(partial, step))
+            dcp_s = time.perf_counter() - t0
 
         result = err or self._write_rank_files(step, write, rng_state())
         path = self._commit(step, result, manifest)
         took = time.perf_counter() - started
-        return Saved(step, path, background=False, stall_s=took, save_s=took)
+        return Saved(step, path, background=False, stall_s=took, save_s=took, dcp_s=dcp_s)
 
     def save_async(
         self, step: int, state: dict, manifest: dict, *, started: float | None = None
@@ -429,11 +438,14 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
         manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
         rng = rng_state()
+        dcp_s = None
         try:
             faults.point("ckpt.save.after_mkdir", step=step)
+            t0 = time.perf_counter()
             staged = dcp.async_save(
                 state, storage_writer=_storage_writer(partial, step), process_group=self._group
             )
+            dcp_s = time.perf_counter() - t0
             # An AsyncSaveResponse where torch stages in the background too (not asked here).
             written = getattr(staged, "upload_completion", staged)
         except OSError as e:  # reported as a failed write, by the commit on every rank
@@ -445,7 +457,7 @@ class CheckpointManager:
             return self._commit(step, result, manifest, group=self._group), time.perf_counter()
 
         future = self._executor.submit(finish)
-        self._in_flight = _InFlight(step, started, future, time.perf_counter() - started)
+        self._in_flight = _InFlight(step, started, future, time.perf_counter() - started, dcp_s)
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
@@ -474,7 +486,14 @@ class CheckpointManager:
         finally:  # a failure's traceback holds this frame: no cycle back to its future (which
             del future  # would keep the loop's frame, its data loader included, past the exit)
         stall = job.stall_s + time.perf_counter() - t0
-        return Saved(job.step, path, background=True, stall_s=stall, save_s=done - job.started)
+        return Saved(
+            job.step,
+            path,
+            background=True,
+            stall_s=stall,
+            save_s=done - job.started,
+            dcp_s=job.dcp_s,
+        )
 
     def close(self) -> None:
         """End the background thread. After an error, an async save still in flight is waited

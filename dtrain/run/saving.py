@@ -101,6 +101,8 @@ class Saver:
         record.update(stall_s=s.stall_s, save_s=s.save_s)
         if s.step in self._snapshot_s:  # the state and its finiteness check, inside stall_s
             record["snapshot_s"] = self._snapshot_s.pop(s.step)
+        if s.dcp_s is not None:
+            record["dcp_s"] = s.dcp_s
         writer.record({"step": s.step, "checkpoint": record})
 
     def _tolerate(self, e: CheckpointSaveError, at_step: int) -> None:
