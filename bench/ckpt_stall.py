@@ -5,7 +5,8 @@ runs' metrics.jsonl (the `checkpoint` records: stall_s, save_s, async), as one J
 
 stall_s: the loop's time blocked by one save (taking the state, checking it finite, writing it or
 copying it to host memory, waiting for it, committing it), snapshot_s the first two of those,
-dcp_s DCP's call (its plan and write, or plan and staging); save_s: from the start of the save to
+dcp_s DCP's call on the loop's thread (sync: its plan and write; async: its staging to host
+memory, DCP planning in its background thread); save_s: from the start of the save to
 its COMPLETE marker. The first save of a run also pays one-time costs (the async save's process
 group and thread, host buffers), so the medians are the figures to compare.
 """
@@ -30,7 +31,7 @@ def stalls(run_dir: Path) -> dict:
         "save_s": [round(c["save_s"], 4) for _, c in recs],
         # The part of stall_s spent taking the state and checking it (the rest is DCP's).
         "snapshot_s": [round(c["snapshot_s"], 4) for _, c in recs if "snapshot_s" in c],
-        # DCP's call on the loop's thread: the plan and write (sync), plan and staging (async).
+        # DCP's call on the loop's thread: the plan and write (sync), the staging (async).
         "dcp_s": [round(c["dcp_s"], 4) for _, c in recs if "dcp_s" in c],
         "median_stall_s": statistics.median(c["stall_s"] for _, c in recs) if recs else None,
         "median_save_s": statistics.median(c["save_s"] for _, c in recs) if recs else None,

@@ -306,8 +306,10 @@ class Saved:
     background: bool  # written by an async save
     stall_s: float  # the loop was blocked by it: snapshot, staging, waiting for it, committing
     save_s: float  # from the start of the save to its COMPLETE marker
-    # Inside stall_s, DCP's call on the loop's thread: dcp.save's plan and write (sync), or
-    # dcp.async_save's plan and staging to host memory (async). None: it never ran.
+    # Two parts of stall_s: the caller's snapshot (taking the state, checking it finite), and
+    # DCP's call on the loop's thread: dcp.save's plan and write (sync), or dcp.async_save's
+    # staging to host memory (async: DCP plans in its background thread). None: not measured.
+    snapshot_s: float | None = None
     dcp_s: float | None = None
 
 
@@ -317,6 +319,7 @@ class _InFlight:
     started: float  # time.perf_counter() when the save began (before the state was taken)
     future: Future  # the background write and commit -> (path, finish time), or raises
     stall_s: float  # loop time blocked by this save so far
+    snapshot_s: float | None  # Saved.snapshot_s
     dcp_s: float | None  # Saved.dcp_s
 
 
@@ -385,11 +388,17 @@ class CheckpointManager:
         return self._in_flight.step if self._in_flight else None
 
     def save(
-        self, step: int, state: dict, manifest: dict, *, started: float | None = None
+        self,
+        step: int,
+        state: dict,
+        manifest: dict,
+        *,
+        started: float | None = None,
+        snapshot_s: float | None = None,
     ) -> Saved:
         """Save `state` (DCP state dict) at `step`; returns a Saved. Collective: every rank
         calls it. `started`: when the caller began preparing the save (time.perf_counter()),
-        counted in the stall.
+        counted in the stall; `snapshot_s`: how much of that went to taking the state.
 
         An OS error on any rank (disk full, read-only or vanished folder) becomes a
         CheckpointSaveError on every rank, after the .partial folder is removed; the
@@ -413,10 +422,16 @@ class CheckpointManager:
         result = err or self._write_rank_files(step, write, rng_state())
         path = self._commit(step, result, manifest)
         took = time.perf_counter() - started
-        return Saved(step, path, background=False, stall_s=took, save_s=took, dcp_s=dcp_s)
+        return Saved(step, path, False, took, took, snapshot_s=snapshot_s, dcp_s=dcp_s)
 
     def save_async(
-        self, step: int, state: dict, manifest: dict, *, started: float | None = None
+        self,
+        step: int,
+        state: dict,
+        manifest: dict,
+        *,
+        started: float | None = None,
+        snapshot_s: float | None = None,
     ) -> None:
         """Start saving `state` at `step` in the background; the loop goes on once the state
         is copied to host memory (DCP's staging). What is saved is this step's: the tensors
@@ -457,7 +472,8 @@ class CheckpointManager:
             return self._commit(step, result, manifest, group=self._group), time.perf_counter()
 
         future = self._executor.submit(finish)
-        self._in_flight = _InFlight(step, started, future, time.perf_counter() - started, dcp_s)
+        stall = time.perf_counter() - started
+        self._in_flight = _InFlight(step, started, future, stall, snapshot_s, dcp_s)
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
@@ -492,6 +508,7 @@ class CheckpointManager:
             background=True,
             stall_s=stall,
             save_s=done - job.started,
+            snapshot_s=job.snapshot_s,
             dcp_s=job.dcp_s,
         )
 

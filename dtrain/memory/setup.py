@@ -36,6 +36,10 @@ class MemorySetup:
     # DeepSpeed's zero_optimization.overlap_comm (reduce during backward). None: as dtrain's
     # generated config sets it, on CUDA only (DeepSpeedStrategy.ds_config).
     ds_overlap_comm: bool | None = None
+    # zero3 compiled: DeepSpeed's DeepCompile (its own graph, no hooks), or torch.compile over
+    # the engine's hooks (False). None: the strategy's default (DeepCompile), as for a
+    # candidate the search or the OOM advice makes from another strategy's config.
+    deepcompile: bool | None = None
 
     @property
     def facts(self) -> MemoryFacts:

@@ -49,8 +49,9 @@ LOSS_PASSES = 4
 # blocks compiled one by one ran at 0.95x the whole-model graph (1b, 1x H100: 54.7k per-block
 # in docs/benchmarks.md's precision table vs 57.6k whole; real text vs synthetic aside).
 SPLIT_GRAPH_FACTOR = 0.95
-# Eager (not compiled): DeepSpeed ZeRO-2's eager loop ran at 0.78x dtrain's compiled zero2, eager
-# ZeRO-3 at 0.66x DeepCompile (1b, 2x H200, docs/benchmarks.md).
+# Eager (not compiled): DeepSpeed ZeRO-2's eager loop ran at 0.78x dtrain's compiled zero2 (1b,
+# 2x H200, docs/benchmarks.md). A strategy whose eager loop does more declares its own
+# (SpeedFacts.eager_factor: ZeRO-3's hooks).
 EAGER_FACTOR = 0.75
 # Share of HBM bandwidth a memory-bound step reaches: fused AdamW took 49 ms for 4.0B params
 # per rank (28 bytes each) on an H200 (8b fsdp trace, docs/benchmarks.md "Low precision at
@@ -145,7 +146,9 @@ def _compute_rate(setup: MemorySetup, machine: Machine, kind: str) -> float:
     facts = STRATEGIES[setup.strategy].speed_facts(setup.strategy, setup)
     graph = setup.compile_scope or facts.graph
     if not setup.compile:
-        return rate * (facts.eager_factor or EAGER_FACTOR)
+        return rate * (EAGER_FACTOR if facts.eager_factor is None else facts.eager_factor)
+    if facts.compiled_factor is not None:
+        return rate * facts.compiled_factor
     if graph == "blocks" or (setup.facts.graph_split_buckets and setup.world_size > 1):
         return rate * SPLIT_GRAPH_FACTOR
     return rate

@@ -25,7 +25,6 @@ class Saver:
     def __init__(self, run: Run):
         self.run = run
         self.failures: list[int] = []  # steps whose save failed (checkpoint.on_error=continue)
-        self._snapshot_s: dict[int, float] = {}  # step -> seconds to take and check its state
 
     def save(self, at_step: int, final: bool = False, cause: str | None = None) -> Path | None:
         """Save the state at `at_step` (collective); its folder, or None while it is written
@@ -36,9 +35,9 @@ class Saver:
         started = time.perf_counter()  # the stall counts the snapshot and the check too
         state = r.strategy.state_dict()
         self._refuse_nonfinite(state, at_step, cause)
-        # The stall's first part, apart from DCP's (planning, staging to host, writing): an
-        # async save that stalls nearly as long as a sync one says which to look at.
-        self._snapshot_s[at_step] = time.perf_counter() - started
+        # The stall's first part, apart from DCP's (Saved.dcp_s): an async save that stalls
+        # nearly as long as a sync one then says which to look at.
+        snapshot_s = time.perf_counter() - started
         manifest = {
             "identity": run_identity(r.cfg),
             "data": r.stream.state_dict(),
@@ -48,9 +47,9 @@ class Saver:
         }
         try:
             if r.cfg.checkpoint.async_save and not final:  # a final save has nothing to overlap
-                r.ckpt.save_async(at_step, state, manifest, started=started)
+                r.ckpt.save_async(at_step, state, manifest, started=started, snapshot_s=snapshot_s)
                 return None
-            done = r.ckpt.save(at_step, state, manifest, started=started)
+            done = r.ckpt.save(at_step, state, manifest, started=started, snapshot_s=snapshot_s)
         except CheckpointSaveError as e:
             if on_error == "stop" or final:
                 raise
@@ -99,10 +98,9 @@ class Saver:
         writer.scalars(s.step, {"checkpoint/stall_s": s.stall_s, "checkpoint/save_s": s.save_s})
         record = {"path": s.path.name, "async": s.background, "done_at_step": now}
         record.update(stall_s=s.stall_s, save_s=s.save_s)
-        if s.step in self._snapshot_s:  # the state and its finiteness check, inside stall_s
-            record["snapshot_s"] = self._snapshot_s.pop(s.step)
-        if s.dcp_s is not None:
-            record["dcp_s"] = s.dcp_s
+        record.update(
+            {k: v for k, v in (("snapshot_s", s.snapshot_s), ("dcp_s", s.dcp_s)) if v is not None}
+        )
         writer.record({"step": s.step, "checkpoint": record})
 
     def _tolerate(self, e: CheckpointSaveError, at_step: int) -> None:

@@ -90,6 +90,9 @@ class SpeedFacts:
     # planner's EAGER_FACTOR. A strategy whose eager loop does more than the model's ops (hooks
     # per module) declares its own, measured.
     eager_factor: float | None = None
+    # The share of the compiled matmul rate its compiled graph keeps, where that graph is not the
+    # model's (broken at per-module hooks); None: planned as the model's graph.
+    compiled_factor: float | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ deepspeed is imported lazily: `import dtrain` never needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -62,9 +63,14 @@ _ZERO_GATHER_UPDATED = Collective(
     why="the updated 16-bit partitions are gathered after the step, before the next forward",
 )
 _ZERO_REDUCE = dict(op="reduce_scatter", tensor="grads", dtype="reduce", calls="buckets")
-# Eager ZeRO-3's matmul rate, fitted to the run ZERO_SPEED["zero3"] names (measured 30.3k tokens/s
-# per GPU; planned at this factor: ~30.5k)
-EAGER_ZERO3 = 0.46
+# ZeRO-3 without DeepCompile: each module's parameters are fetched and released by Python hooks,
+# one collective at a time. 1b, 2x H200, bf16, micro-batch 8 x 2048, tokens/s per GPU: eager
+# 36,968 (2026-11-26b), 33,158 and 30,344 (2026-11-27, calls 4 and 5; call 5's fsdp: 56,424);
+# under plain torch.compile, whose graphs break at every hook, 25,959 (call 4). The shares of
+# the compiled matmul rate that plan them: eager 33.6k (−9%..+11% of the three), compiled 26.0k.
+# bench/results/2026-11-26b/dtrain_zero3.json, 2026-11-27-gpu-s9/launch_times_2xh200/.
+EAGER_ZERO3 = 0.51
+HOOKED_COMPILED_ZERO3 = 0.39
 ZERO_SPEED = {
     "zero1": SpeedFacts(
         (
@@ -105,10 +111,7 @@ ZERO_SPEED = {
             Collective(**_ZERO_REDUCE, overlap=0.9, why="reduced during the backward"),
         ),
         graph="blocks",
-        # Without DeepCompile each module's parameters are fetched and released by Python hooks,
-        # one collective at a time: eager zero3 ran at 0.54x fsdp (1b, 2x H200, 2026-11-27: 60.7k
-        # vs 112.8k tokens/s in one call; bench/results/2026-11-27-gpu-s9/launch_times_2xh200).
-        eager_factor=EAGER_ZERO3,
+        eager_factor=EAGER_ZERO3,  # without DeepCompile (above)
     ),
 }
 
@@ -201,13 +204,18 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def speed_facts(cls, name: str, setup) -> SpeedFacts:
-        return ZERO_SPEED.get(name, cls.speed)  # planned by stage (zeroN), as memory_facts
+        facts = ZERO_SPEED.get(name, cls.speed)  # planned by stage (zeroN), as memory_facts
+        if name == "zero3" and setup.compile and setup.deepcompile is False:
+            # torch.compile over the engine's hooks: not DeepCompile's graph (above)
+            return dataclasses.replace(facts, compiled_factor=HOOKED_COMPILED_ZERO3)
+        return facts
 
     @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
         return {
             **super().memory_options(cfg, device_type),
             "strategy": f"zero{zero_stage(cfg)}",
+            "deepcompile": uses_deepcompile(cfg, device_type),
             "ds_bucket_elements": bucket_elements(cfg),
         }
 
