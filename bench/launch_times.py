@@ -148,8 +148,10 @@ def main() -> None:
         if out[name] is None:
             out[name] = measure(name, args.root, args.limit)
         print(name, json.dumps(out[name]), flush=True)
-        if args.out:  # after each: a call cut short keeps what it measured
-            args.out.write_text(json.dumps(out, indent=1))
+        if args.out:  # after each: a call cut short keeps what it measured (whole: renamed)
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(out, indent=1))
+            tmp.replace(args.out)
 
 
 def skip_reason(nproc: int, gpus: int, limit: float, end: float | None) -> str | None:

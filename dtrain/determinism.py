@@ -1,13 +1,18 @@
 """trainer.deterministic: the same bits from the same start on CUDA, compiled or not.
 
-Eager CUDA training in dtrain is already repeatable (the GPU suite resumes bit-exactly on one
-GPU and on NCCL). Compiled, it is not: on sm90 Inductor lowers the embedding's gradient (an
-index_put with accumulate) to a Triton kernel of bf16 atomic adds, whose order changes from run
-to run (torch/_inductor/utils.py, needs_fallback_due_to_atomic_add_limitations). A compiled 1-GPU
-run resumed at step 15 drifted by up to 1.2e-4 in loss from the straight one (H200,
-2026-11-27, docs/gpu-tests.md). torch's deterministic mode makes Inductor fall back to ATen's
-sorted, deterministic kernel for such scatters; Inductor's own flag skips the on-device
-benchmarks whose pick changes the numerics; cuBLAS needs a fixed workspace.
+Eager CUDA training in dtrain was repeatable where measured (the GPU suite resumes bit-exactly
+on one H200 and on NCCL, cuDNN attention). Compiled, it was not: Inductor lowers the embedding's
+gradient (an index_put with accumulate, fp32 under autocast) to a Triton kernel of atomic adds,
+whose order changes from run to run. A compiled 1-GPU run resumed at step 15 drifted by up to
+1.2e-4 in loss from the straight one (H200, 2026-11-27, docs/gpu-tests.md). torch's
+deterministic mode makes Inductor fall back to ATen's sorted, deterministic kernel for such
+scatters (lowering.py's index_put); Inductor's own flag skips the on-device benchmarks whose pick
+changes the numerics; cuBLAS needs a fixed workspace.
+
+Ops with no deterministic kernel warn instead of failing (warn_only): a run is not stopped by
+one. That includes the flash and memory-efficient attention backward, whose deterministic path
+torch takes only when warn_only is off; `trainer.attention_kernel=auto` on Hopper picks cuDNN
+(the measured case).
 """
 
 from __future__ import annotations
