@@ -248,6 +248,9 @@ class ProfileConfig:
     profile_memory: bool = False
     with_stack: bool = False
     row_limit: int = 20  # rows of the top-operators table printed at the end
+    # CUDA: record the caching allocator over the first N steps, then write its snapshot and
+    # where reserved memory sits, per stream (dtrain.allocator_snapshot). 0: off.
+    memory_snapshot_steps: int = 0
 
 
 @dataclass
@@ -430,6 +433,7 @@ RANGES: dict[str, str] = {
     "profile.active": "> 0",
     "profile.repeat": ">= 0",
     "profile.row_limit": "> 0",
+    "profile.memory_snapshot_steps": ">= 0",
     "debug.inject_nonfinite_at_step": "> 0",
     "debug.inject_nonfinite_rank": ">= 0",
 }

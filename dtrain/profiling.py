@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dtrain.allocator_snapshot import AllocatorSnapshot
 from dtrain.config import ProfileConfig
 
 log = logging.getLogger("dtrain")
@@ -29,12 +30,15 @@ class StepProfiler:
         self.prof = None
         self.table: str | None = None
         self.traces = 0
+        # The allocator's snapshot rides on the same hooks (profile.memory_snapshot_steps).
+        self.snapshot = AllocatorSnapshot(cfg.memory_snapshot_steps, run_dir, env)
 
     @property
     def sort_key(self) -> str:
         return "self_device_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
 
     def start(self) -> None:
+        self.snapshot.start()
         if not self.cfg.enabled:
             return
         from torch.profiler import (
@@ -86,12 +90,14 @@ class StepProfiler:
         return self.prof.current_action != ProfilerAction.NONE
 
     def step(self) -> None:
+        self.snapshot.step()
         if self.prof is not None:
             self.prof.step()
 
     def stop(self) -> str | None:
         """End profiling (a cycle cut short by the end of training is still written) and print
         the table on rank 0. Returns the table."""
+        self.snapshot.stop()
         if self.prof is None:
             return None
         self.prof.stop()

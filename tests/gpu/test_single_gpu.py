@@ -3,7 +3,9 @@ dtrain's allocator switch takes effect, and the memory prediction holds at 1b.""
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 import subprocess
 import sys
 
@@ -131,3 +133,23 @@ def test_memory_prediction_at_1b_is_within_10_percent_of_peak_reserved(tmp_path,
         {"error_pct": err, "compares": last(recs, "memory_prediction_compares")},
     )
     assert abs(err) <= 10.0, err
+
+
+def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
+    """profile.memory_snapshot_steps on CUDA: the snapshot memory_viz reads, and a summary
+    whose segments add up to what the allocator reserves (dtrain.allocator_snapshot)."""
+    recs = run(tmp_path / "run", "precision=bf16", EAGER, "profile.memory_snapshot_steps=3")
+    mem = tmp_path / "run" / "memory"
+    with open(mem / "snapshot_rank0.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["segments"] and snapshot["device_traces"][0]  # history was recorded
+    summary = json.loads((mem / "segments_rank0.json").read_text())
+    total = summary["total"]
+    record(results, "allocator/snapshot", summary)
+    assert summary["after_steps"] == 3
+    assert 0 < total["allocated"] <= total["reserved"]
+    assert total["free"] <= total["reserved"] - total["allocated"]
+    assert sum(s["reserved"] for s in summary["streams"].values()) == total["reserved"]
+    # Reserved memory is not given back during a run: the run's logged peak holds these segments.
+    peak = max(m["peak_reserved_bytes"] for m in last(recs, "memory_per_rank"))
+    assert total["reserved"] <= peak

@@ -1,0 +1,94 @@
+"""profile.memory_snapshot_steps: the summary of where reserved memory sits, the hooks that
+write the snapshot once after N steps, and the refusal off CUDA (the GPU run itself:
+tests/gpu/test_single_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from dtrain import allocator_snapshot as snap
+from dtrain.errors import ConfigError
+from tests.conftest import train
+
+MiB = 1024**2
+
+SNAPSHOT = {  # the shape of torch.cuda.memory._snapshot(): two streams, three segments
+    "segments": [
+        {
+            "stream": 0,
+            "total_size": 20 * MiB,
+            "allocated_size": 12 * MiB,
+            "blocks": [
+                {"size": 12 * MiB, "state": "active_allocated"},
+                {"size": 6 * MiB, "state": "inactive"},
+                {"size": 2 * MiB, "state": "inactive"},
+            ],
+        },
+        {
+            "stream": 0,
+            "total_size": 2 * MiB,
+            "allocated_size": 2 * MiB,
+            "blocks": [{"size": 2 * MiB, "state": "active_allocated"}],
+        },
+        {
+            "stream": 7,
+            "total_size": 40 * MiB,
+            "allocated_size": 0,
+            "blocks": [
+                {"size": 30 * MiB, "state": "inactive"},
+                {"size": 10 * MiB, "state": "active_awaiting_free"},
+            ],
+        },
+    ],
+    "device_traces": [],
+}
+
+
+def test_summary_is_per_stream_and_in_all():
+    s = snap.summarize(SNAPSHOT)
+    assert s["streams"]["0"] == dict(
+        segments=2, reserved=22 * MiB, allocated=14 * MiB, free=8 * MiB, largest_free=6 * MiB
+    )
+    assert s["streams"]["7"] == dict(
+        segments=1, reserved=40 * MiB, allocated=0, free=30 * MiB, largest_free=30 * MiB
+    )
+    assert s["total"] == dict(
+        segments=3, reserved=62 * MiB, allocated=14 * MiB, free=38 * MiB, largest_free=30 * MiB
+    )
+    line = snap.describe(s)
+    assert line.startswith("0.06 GiB reserved in 3 segments") and "stream 7: 0.04 GiB" in line
+
+
+def test_the_snapshot_is_written_once_after_n_steps(tmp_path, monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(
+        _record_memory_history=lambda enabled="all", **kw: calls.append(("record", enabled)),
+        _dump_snapshot=lambda path: calls.append(("dump", path)) or open(path, "wb").close(),
+        _snapshot=lambda: SNAPSHOT,
+    )
+    monkeypatch.setattr(torch.cuda, "memory", fake)
+    env = types.SimpleNamespace(device=torch.device("cuda", 0), rank=1)
+    s = snap.AllocatorSnapshot(3, tmp_path, env)
+    s.start()
+    for _ in range(5):
+        s.step()
+    s.stop()
+    assert [c[0] for c in calls] == ["record", "dump", "record"]
+    assert calls[0][1] == "all" and calls[2][1] is None  # recording on, then off again
+    assert calls[1][1].endswith("memory/snapshot_rank1.pickle")
+    summary = json.loads((tmp_path / "memory" / "segments_rank1.json").read_text())
+    assert summary["after_steps"] == 3 and summary["total"]["reserved"] == 62 * MiB
+    off = snap.AllocatorSnapshot(0, tmp_path / "off", env)
+    off.start(), off.step(), off.stop()
+    assert len(calls) == 3 and not (tmp_path / "off").exists()
+
+
+def test_off_cuda_it_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="profile.memory_snapshot_steps=2 snapshots the CUDA"):
+        train(tmp_path / "run", "profile.memory_snapshot_steps=2")
+    with pytest.raises(ConfigError, match="profile.memory_snapshot_steps must be >= 0"):
+        train(tmp_path / "run2", "profile.memory_snapshot_steps=-1")
