@@ -90,5 +90,6 @@ def test_the_snapshot_is_written_once_after_n_steps(tmp_path, monkeypatch):
 def test_off_cuda_it_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="profile.memory_snapshot_steps=2 snapshots the CUDA"):
         train(tmp_path / "run", "profile.memory_snapshot_steps=2")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything is written
     with pytest.raises(ConfigError, match="profile.memory_snapshot_steps must be >= 0"):
         train(tmp_path / "run2", "profile.memory_snapshot_steps=-1")

@@ -279,6 +279,8 @@ def start_reporting(
 ) -> Reporters:
     """The run's writer, inspector and profiler; what the run is, logged once (hparams,
     config, predicted memory, the one-line summary)."""
+    # First: it refuses a setting this device cannot honour before anything is written.
+    profiler = StepProfiler(cfg.profile, Path(cfg.run_dir), env)
     name = run_name(strategy.name, precision.name, env.world_size, cfg.model.name)
     writer = MetricsWriter(cfg.run_dir, env, cfg.metrics, start_step=start_step, run_name=name)
     hparams = run_hparams(
@@ -297,7 +299,6 @@ def start_reporting(
     if cuda:
         log.info("CUDA allocator: %s", env.allocator)
     inspector = Inspector(cfg.inspect, strategy, data.tokenizer, writer, env)
-    profiler = StepProfiler(cfg.profile, Path(cfg.run_dir), env)
     if start_step == 0:
         writer.text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```", 0)
     mem_plan = log_memory_prediction(cfg, precision, env, writer, start_step, hparams)
