@@ -98,9 +98,9 @@ class Saver:
         writer.scalars(s.step, {"checkpoint/stall_s": s.stall_s, "checkpoint/save_s": s.save_s})
         record = {"path": s.path.name, "async": s.background, "done_at_step": now}
         record.update(stall_s=s.stall_s, save_s=s.save_s)
-        record.update(
-            {k: v for k, v in (("snapshot_s", s.snapshot_s), ("dcp_s", s.dcp_s)) if v is not None}
-        )
+        for key in ("snapshot_s", "dcp_s"):  # the parts of the stall that were measured
+            if getattr(s, key) is not None:
+                record[key] = getattr(s, key)
         writer.record({"step": s.step, "checkpoint": record})
 
     def _tolerate(self, e: CheckpointSaveError, at_step: int) -> None:
