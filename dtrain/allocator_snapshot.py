@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -49,6 +50,85 @@ def summarize(snapshot: dict) -> dict:
     return {"total": total, "streams": streams}
 
 
+# The trace's events that change what is allocated or reserved, with their sign.
+_ALLOCATED = {"alloc": 1, "free_completed": -1}
+_RESERVED = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
+    """Replay the recorded history of `device`: per stream, its peak allocated bytes against
+    what it reserves at the end, and the moment the allocated total peaked (per stream, and
+    the largest allocations then live, with the Python line that made each). A stream's
+    memory serves only that stream's requests, so reserved memory exceeds the peak allocated
+    where streams peak at different times (the sum of their peaks) or where one stream's
+    free blocks are too small for its next request (its reserved above its own peak).
+
+    The trace starts when recording did: what was allocated before is counted from the end
+    state back (end minus the trace's net change), and only traced allocations are named."""
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    end = summarize(snapshot)["streams"]
+    net_alloc: dict[str, int] = defaultdict(int)
+    net_res: dict[str, int] = defaultdict(int)
+    for e in trace:
+        stream = str(e.get("stream", 0))
+        net_alloc[stream] += _ALLOCATED.get(e["action"], 0) * e["size"]
+        net_res[stream] += _RESERVED.get(e["action"], 0) * e["size"]
+    names = set(end) | set(net_alloc) | set(net_res)
+
+    def at_end(stream: str, key: str) -> int:
+        return end.get(stream, {}).get(key, 0)
+
+    alloc = {k: at_end(k, "allocated") - net_alloc[k] for k in names}  # at the trace's start
+    peak = dict(alloc)
+    live: dict[int, tuple[int, str, str]] = {}  # addr -> (size, stream, where)
+    best_total, best = sum(alloc.values()), (dict(alloc), [])
+    for e in trace:
+        sign = _ALLOCATED.get(e["action"])
+        if sign is None:
+            continue
+        stream = str(e.get("stream", 0))
+        alloc[stream] += sign * e["size"]
+        peak[stream] = max(peak[stream], alloc[stream])
+        if sign > 0:
+            live[e["addr"]] = (e["size"], stream, _where(e.get("frames") or []))
+        else:
+            live.pop(e["addr"], None)
+        total = sum(alloc.values())
+        if total > best_total:
+            largest = sorted(live.values(), reverse=True)[:top]
+            best_total, best = total, (dict(alloc), largest)
+    return {
+        "streams": {
+            k: {"peak_allocated": peak[k], "reserved": at_end(k, "reserved")} for k in names
+        },
+        "peak_allocated": best_total,
+        "at_peak": {
+            "allocated": best[0],
+            "largest": [{"size": n, "stream": s, "where": w} for n, s, w in best[1]],
+        },
+    }
+
+
+def _where(frames: list[dict]) -> str:
+    """The first frame outside torch's own code (else the first): who asked for the memory."""
+    for f in frames:
+        if "/torch/" not in f.get("filename", ""):
+            return f"{f.get('filename')}:{f.get('line')} ({f.get('name')})"
+    f = frames[0] if frames else {}
+    return f"{f.get('filename', '?')}:{f.get('line', '?')} ({f.get('name', '?')})"
+
+
+def describe_timeline(t: dict) -> str:
+    """One line: per stream, its peak allocated against its reserved."""
+    parts = [
+        f"stream {k}: peak {v['peak_allocated'] / GiB:.2f} GiB allocated of "
+        f"{v['reserved'] / GiB:.2f} reserved"
+        for k, v in sorted(t["streams"].items())
+    ]
+    return f"peak allocated {t['peak_allocated'] / GiB:.2f} GiB in all; " + "; ".join(parts)
+
+
 def describe(summary: dict) -> str:
     """One line: reserved, allocated and free in all, then per stream (stream 0 is the default)."""
 
@@ -79,7 +159,8 @@ class AllocatorSnapshot:
 
     def start(self) -> None:
         if self.steps:
-            torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+            # Python stacks only: symbolising C++ frames makes the dump take minutes.
+            torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
             self.recording = True
 
     def step(self) -> None:
@@ -96,11 +177,14 @@ class AllocatorSnapshot:
         self.dir.mkdir(parents=True, exist_ok=True)
         rank = self.env.rank
         torch.cuda.memory._dump_snapshot(str(self.dir / f"snapshot_rank{rank}.pickle"))
-        summary = summarize(torch.cuda.memory._snapshot())
+        snapshot = torch.cuda.memory._snapshot()
+        summary = summarize(snapshot)
         summary["after_steps"] = self.seen
+        summary["timeline"] = timeline(snapshot, self.env.device.index or 0)
         path = self.dir / f"segments_rank{rank}.json"
         path.write_text(json.dumps(summary, indent=1) + "\n")
         torch.cuda.memory._record_memory_history(enabled=None)
         self.recording = False
         log.info("memory snapshot after %d steps (rank %d): %s", self.seen, rank, describe(summary))
+        log.info("memory timeline (rank %d): %s", rank, describe_timeline(summary["timeline"]))
         return summary

@@ -93,3 +93,39 @@ def test_off_cuda_it_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything is written
     with pytest.raises(ConfigError, match="profile.memory_snapshot_steps must be >= 0"):
         train(tmp_path / "run2", "profile.memory_snapshot_steps=-1")
+
+
+def test_the_timeline_replays_each_streams_peak_and_names_what_was_live_at_the_peak():
+    # Stream 0 ends with 14 MiB allocated of 22 reserved, stream 7 with 0 of 40 (SNAPSHOT's
+    # end state). Traced: stream 7 took 30 MiB and gave it back before stream 0 peaked, so
+    # what is reserved (62 MiB) is about the sum of the two streams' peaks, never live at once.
+    def ev(action, addr, size, stream, line=1):
+        frames = [{"filename": "/x/torch/autograd.py", "line": 9, "name": "f"}]
+        frames.append({"filename": "/x/dtrain/model.py", "line": line, "name": "forward"})
+        return dict(action=action, addr=addr, size=size, stream=stream, frames=frames)
+
+    trace = [
+        ev("segment_map", 100, 40 * MiB, 7),
+        ev("alloc", 100, 30 * MiB, 7, line=5),
+        ev("free_requested", 100, 30 * MiB, 7),
+        ev("free_completed", 100, 30 * MiB, 7),
+        ev("segment_alloc", 200, 20 * MiB, 0),
+        ev("alloc", 200, 12 * MiB, 0, line=7),
+        ev("alloc", 300, 6 * MiB, 0, line=8),
+        ev("free_completed", 300, 6 * MiB, 0),
+    ]
+    t = snap.timeline(dict(SNAPSHOT, device_traces=[trace]))
+    # Stream 0 held 2 MiB before the trace (its end state 14 minus the trace's net 12).
+    assert t["streams"]["0"] == {"peak_allocated": 20 * MiB, "reserved": 22 * MiB}
+    assert t["streams"]["7"] == {"peak_allocated": 30 * MiB, "reserved": 40 * MiB}
+    assert t["peak_allocated"] == 32 * MiB  # stream 7's 30 and stream 0's 2 then: not 50
+    assert t["at_peak"]["allocated"] == {"0": 2 * MiB, "7": 30 * MiB}
+    assert t["at_peak"]["largest"] == [
+        {"size": 30 * MiB, "stream": "7", "where": "/x/dtrain/model.py:5 (forward)"}
+    ]
+    line = snap.describe_timeline(t)
+    assert "stream 0: peak 0.02 GiB allocated of 0.02 reserved" in line
+    assert line.startswith("peak allocated 0.03 GiB in all")
+    # No history (recording off): each stream's end state is all there is.
+    bare = snap.timeline(SNAPSHOT)
+    assert bare["streams"]["0"]["peak_allocated"] == 14 * MiB and bare["at_peak"]["largest"] == []

@@ -123,6 +123,31 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
     assert out["stall_ratio"] > 0
 
 
+def test_the_loop_waits_for_the_copy_to_host_memory_before_the_next_update(tmp_path, monkeypatch):
+    # The stager copies the state in a thread of its own while the loop runs step 5's forward
+    # and backward; here each copy is held back 2 s, far longer than a step. A loop that did
+    # not wait before the update would change the weights under the copy, and the checkpoint
+    # would hold a later step's state than a synchronous save of step 4.
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    train(tmp_path / "sync", *EVERY_4)
+    real_stage, stagers = StateDictStager.stage, []
+
+    def slow_stage(self, state_dict, non_blocking=False):
+        stagers.append(threading.current_thread().name)
+        time.sleep(2.0)
+        return real_stage(self, state_dict, non_blocking)
+
+    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
+    train(tmp_path / "async", *EVERY_4, ASYNC)
+    assert stagers and threading.main_thread().name not in stagers
+    rec = checkpoint_records(tmp_path / "async")[0]
+    assert rec["async"] and rec["dcp_s"] < 1.0  # the loop did not copy the state itself
+    assert 2.0 <= rec["staging_s"] and 1.0 < rec["staging_wait_s"] <= rec["stall_s"]
+    assert shards(tmp_path / "async", 4) == shards(tmp_path / "sync", 4)
+    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
+
+
 def test_fsdp_async_checkpoint_resumes_bit_exactly(tmp_path):
     # fsdp on 2 ranks: DTensor shards staged, written by DCP's thread on a gloo group of their
     # own while the loop's collectives go on; the write of step 4 is held back 1.5 s.

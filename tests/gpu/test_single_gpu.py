@@ -153,3 +153,10 @@ def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
     # Reserved memory is not given back during a run: the run's logged peak holds these segments.
     peak = max(m["peak_reserved_bytes"] for m in last(recs, "memory_per_rank"))
     assert total["reserved"] <= peak
+    # The replayed history: each stream's peak fits in what it reserves, and the replayed
+    # peak is the run's own (torch's peak allocated, which the run logs), within 2%.
+    t = summary["timeline"]
+    assert all(0 <= v["peak_allocated"] <= v["reserved"] for v in t["streams"].values()), t
+    logged = max(m["peak_allocated_bytes"] for m in last(recs, "memory_per_rank"))
+    assert abs(t["peak_allocated"] - logged) <= 0.02 * logged, (t["peak_allocated"], logged)
+    assert t["at_peak"]["largest"] and all(x["where"] for x in t["at_peak"]["largest"])
