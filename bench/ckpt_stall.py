@@ -5,9 +5,9 @@ runs' metrics.jsonl (the `checkpoint` records: stall_s, save_s, async), as one J
 
 stall_s: the loop's time blocked by one save (taking the state, checking it finite, writing it or
 copying it to host memory, waiting for it, committing it), snapshot_s the first two of those,
-dcp_s DCP's call on the loop's thread (sync: its plan and write; async: handing the state to
-its stager), staging_s the async copy to host memory in the stager's thread, staging_wait_s
-how long the next optimizer step waited for that copy; save_s: from the start of the save to
+dcp_s DCP's call on the loop's thread (sync: its plan and write; async: its staging to host
+memory, DCP planning in its background thread), at_save_s (async) the loop's time blocked at
+the save itself; save_s: from the start of the save to
 its COMPLETE marker. The first save of a run also pays one-time costs (the async save's process
 group and thread, host buffers), so the medians are the figures to compare.
 """
@@ -34,9 +34,9 @@ def stalls(run_dir: Path) -> dict:
         "snapshot_s": [round(c["snapshot_s"], 4) for _, c in recs if "snapshot_s" in c],
         # DCP's call on the loop's thread: the plan and write (sync), the staging (async).
         "dcp_s": [round(c["dcp_s"], 4) for _, c in recs if "dcp_s" in c],
-        # Async: the background copy to host memory, and the next update's wait for it.
-        "staging_s": [round(c["staging_s"], 4) for _, c in recs if "staging_s" in c],
-        "staging_wait_s": [round(c["staging_wait_s"], 4) for _, c in recs if "staging_wait_s" in c],
+        # Async: the loop's time blocked at the save itself (the rest of stall_s is waiting
+        # for the write later: where the next save comes before it is done, or the run ends).
+        "at_save_s": [round(c["at_save_s"], 4) for _, c in recs if "at_save_s" in c],
         "median_stall_s": statistics.median(c["stall_s"] for _, c in recs) if recs else None,
         "median_save_s": statistics.median(c["save_s"] for _, c in recs) if recs else None,
     }

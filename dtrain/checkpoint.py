@@ -15,15 +15,13 @@ every rank has finished and the manifest and marker are on disk: a crash at any 
 either the previous checkpoint set or a `.partial` folder that discovery ignores. Old ones are
 pruned (renamed to `.deleting`, then removed) only after a newer one is complete.
 
-checkpoint.async_save: save_async() takes the same snapshot at the save's step (the RNG state
-and the manifest are taken then; DCP's stager copies the tensors to host memory in a thread of
-its own, into buffers kept from one save to the next, pinned on CUDA) and writes, fsyncs,
-hashes and commits it in a background thread, on a gloo process group of its own, while the
-loop trains on. The loop waits for the copy only before the next optimizer step changes the
-state (wait_staged()): the copy overlaps that step's forward and backward. COMPLETE is
-written, as in save(), only after every rank's files are fsynced and hashed. One save at a
-time: the next one, the end of the run or a stop waits for it (finish()); a failure is the
-same CheckpointSaveError, raised on the main thread.
+checkpoint.async_save: save_async() takes the same snapshot at the save's step (DCP copies the
+tensors to host memory, on CUDA into pinned buffers kept from one save to the next; the RNG
+state and the manifest are taken then) and writes, fsyncs, hashes and commits it in a background
+thread, on a gloo process group of its own, while the loop trains on. COMPLETE is written, as in
+save(), only after every rank's files are fsynced and hashed. One save at a time: the next one,
+the end of the run or a stop waits for it (finish()); a failure is the same CheckpointSaveError,
+raised on the main thread.
 
 Loading trusts nothing on disk: the manifest is checked against the marker's sha256 and its
 step against the folder's name, every file's sha256 against the manifest (a truncated or
@@ -35,7 +33,6 @@ optimizer's param_groups) are read as plain values only (dtrain.safe_load), and
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -315,10 +312,9 @@ class Saved:
     # staging to host memory (async: DCP plans in its background thread). None: not measured.
     snapshot_s: float | None = None
     dcp_s: float | None = None
-    # An async save that stages in the background: how long the copy to host memory took
-    # (staging_s), and how long the next optimizer step waited for it (part of stall_s).
-    staging_s: float | None = None
-    staging_wait_s: float | None = None
+    # An async save: the part of stall_s at the save itself (snapshot, staging, starting the
+    # write); the rest is waiting for the write later (the next save, the end of the run).
+    at_save_s: float | None = None
 
 
 @dataclass
@@ -329,46 +325,41 @@ class _InFlight:
     stall_s: float  # loop time blocked by this save so far
     snapshot_s: float | None  # Saved.snapshot_s
     dcp_s: float | None  # Saved.dcp_s
-    staging: Future | None = None  # the copy to host memory, while the loop has not waited
-    staging_s: float | None = None  # Saved.staging_s, once the copy is done
-    staging_wait_s: float | None = None  # Saved.staging_wait_s
+    at_save_s: float = 0.0  # Saved.at_save_s
 
 
-def _background_stager():
-    """DCP's stager that copies the state to host memory in a thread of its own, into host
-    buffers it keeps for the next save (pinned, with non-blocking copies on a side stream,
-    where CUDA is): the loop then waits only for what the copy has not done by the next
-    optimizer step. DCP's default (the writer's own staging, used before) allocates pageable
-    host memory at every save and copies on the loop's thread: at 1b under fsdp on 2x H200 it
-    stalled the loop 24.5-26.5 s a save against 27.1-30.4 s for a synchronous save
-    (docs/benchmarks.md, "Checkpoint stall"). None where torch has no such stager (< 2.9):
-    the writer's blocking staging then."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    cuda = torch.cuda.is_available()
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=cuda,
-            use_shared_memory=False,  # one writer thread in this process: nothing to share
-            use_async_staging=True,
-            use_non_blocking_copy=cuda,
-        )
-    )
-
-
-def _storage_writer(partial: Path, step: int):
+def _storage_writer(partial: Path, step: int, *, keep_host_buffers: bool = False):
     """DCP's file writer, with an injection point where this rank's shards are about to be
-    written (in DCP's own thread in an async save)."""
+    written (in DCP's own thread in an async save): `writer.step` names the save.
+
+    keep_host_buffers (async saves, one writer for the run): the writer stages the state into
+    pinned host buffers made at its first save and reused by the next ones
+    (cache_staged_state_dict). Without them every async save allocated pageable host memory
+    and copied into it: at 1b under fsdp on 2x H200 the loop stalled 24.5-26.5 s a save,
+    against 27.1-30.4 s for a synchronous one (docs/benchmarks.md, "Checkpoint stall")."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class Writer(FileSystemWriter):
         def write_data(self, plan, planner):
-            faults.point("ckpt.save.write", step=step)
+            faults.point("ckpt.save.write", step=self.step)
             return super().write_data(plan, planner)
 
-    return Writer(str(partial))
+    writer = Writer(str(partial), cache_staged_state_dict=keep_host_buffers)
+    writer.step = step
+    return writer
+
+
+def _pinned_staging() -> bool:
+    """Async saves keep pinned host buffers where there is a GPU to copy from."""
+    return torch.cuda.is_available()
+
+
+def _host_bytes(state: dict) -> int:
+    """Bytes of this rank's tensors in a state dict (a DTensor: its local shard)."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in leaves)
 
 
 def _synced_hash(path: Path) -> tuple[str, int]:
@@ -397,7 +388,7 @@ class CheckpointManager:
         self._in_flight: _InFlight | None = None  # at most one async save at a time
         self._group = None  # the background saves' process group (made at the first one)
         self._executor: ThreadPoolExecutor | None = None
-        self._stager = None  # async saves' host buffers, kept from one save to the next
+        self._writer = None  # the async saves' one writer (and its host buffers)
         if cfg.async_save:
             import torch.distributed.checkpoint as dcp
 
@@ -469,10 +460,9 @@ class CheckpointManager:
         started: float | None = None,
         snapshot_s: float | None = None,
     ) -> None:
-        """Start saving `state` at `step` in the background; the loop goes on at once, while
-        the state is copied to host memory (DCP's staging), and must call wait_staged() before
-        it changes the state. What is saved is this step's: the tensors are copied, the RNG
-        state and the manifest (the data position) taken now. Collective.
+        """Start saving `state` at `step` in the background; the loop goes on once the state
+        is copied to host memory (DCP's staging). What is saved is this step's: the tensors
+        are copied, the RNG state and the manifest (the data position) taken now. Collective.
 
         The checkpoint is complete (COMPLETE written, folder renamed) only after every rank's
         files are written and fsynced; poll() or finish() report it, or raise the same
@@ -488,25 +478,31 @@ class CheckpointManager:
         if self._executor is None:
             self._group = ddist.new_background_group(self.timeout_s)
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
-            self._stager = _background_stager()
+            pinned = _pinned_staging()
+            self._writer = _storage_writer(partial, step, keep_host_buffers=pinned)
+            if pinned:
+                log.info(
+                    "async checkpoints: %.2f GiB of pinned host memory per rank hold the "
+                    "state being written, for the rest of the run",
+                    _host_bytes(state) / 1024**3,
+                )
+        self._writer.step = step
         manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
         rng = rng_state()
-        dcp_s, staging = None, None
-        stager = {} if self._stager is None else {"async_stager": self._stager}
-        if torch.cuda.is_available():  # the copy runs on a side stream: after the update
-            torch.cuda.current_stream().synchronize()
+        dcp_s = None
         try:
             faults.point("ckpt.save.after_mkdir", step=step)
             t0 = time.perf_counter()
+            # One writer for every async save, pointed at this save's folder: its host
+            # buffers are free again because the previous save has completed (_check_idle).
             staged = dcp.async_save(
                 state,
-                storage_writer=_storage_writer(partial, step),
+                checkpoint_id=str(partial),
+                storage_writer=self._writer,
                 process_group=self._group,
-                **stager,
             )
             dcp_s = time.perf_counter() - t0
-            # An AsyncSaveResponse where the stager copies in the background, else a Future.
-            staging = getattr(staged, "staging_completion", None)
+            # An AsyncSaveResponse where torch stages in the background too (not asked here).
             written = getattr(staged, "upload_completion", staged)
         except OSError as e:  # reported as a failed write, by the commit on every rank
             written = Future()
@@ -518,28 +514,7 @@ class CheckpointManager:
 
         future = self._executor.submit(finish)
         stall = time.perf_counter() - started
-        job = _InFlight(step, started, future, stall, snapshot_s, dcp_s, staging)
-        if staging is not None:
-
-            def staged(_: Future) -> None:
-                job.staging_s = time.perf_counter() - t0
-
-            staging.add_done_callback(staged)
-        self._in_flight = job
-
-    def wait_staged(self) -> None:
-        """Wait until the async save in flight (if any) has copied the state to host memory:
-        called before the loop changes the state (the optimizer step). The wait counts in the
-        save's stall. A copy that failed is reported by the write that needs it."""
-        job = self._in_flight
-        if job is None or job.staging is None:
-            return
-        t0 = time.perf_counter()
-        with contextlib.suppress(Exception):  # the commit raises it as a failed save
-            job.staging.result()
-        job.staging = None
-        job.staging_wait_s = time.perf_counter() - t0
-        job.stall_s += job.staging_wait_s
+        self._in_flight = _InFlight(step, started, future, stall, snapshot_s, dcp_s, stall)
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
@@ -576,8 +551,7 @@ class CheckpointManager:
             save_s=done - job.started,
             snapshot_s=job.snapshot_s,
             dcp_s=job.dcp_s,
-            staging_s=job.staging_s,
-            staging_wait_s=job.staging_wait_s,
+            at_save_s=job.at_save_s,
         )
 
     def close(self) -> None:
@@ -591,9 +565,7 @@ class CheckpointManager:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
-        if self._stager is not None:  # its thread, and its host buffers (unpinned)
-            self._stager.close()
-            self._stager = None
+        self._writer = None  # its pinned host buffers go with it
 
     def _check_idle(self) -> None:
         # One save at a time: a second would race the first's commit (and its pruning).

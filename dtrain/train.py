@@ -104,7 +104,6 @@ def one_step(r: Run, report: StepReport, step: int, heartbeat) -> tuple[float, f
         loss = r.strategy.forward_backward(x, y, last_micro=i == r.accum - 1, loss_div=r.accum)
         report.add_loss(loss)
     lr = lr_at(step, r.cfg.optim, r.cfg.trainer.max_steps)
-    r.ckpt.wait_staged()  # an async save's copy of the state, before the update changes it
     grad_norm = r.strategy.clip_and_step(lr, r.cfg.trainer.grad_clip)
     r.profiler.step()
     return lr, grad_norm

@@ -854,3 +854,35 @@ def test_plan_takes_hsdp_as_fsdp_within_groups():
         hsdp["params_bytes"] == fsdp2["params_bytes"]
         and hsdp["optim_bytes"] == fsdp2["optim_bytes"]
     )
+
+
+def test_fsdp_gradient_shards_add_a_pool_of_their_own_unless_on_the_compute_stream():
+    # 8b on 2x H200 without it: 14.96 GiB of gradient shards reserved by the reduce-scatter
+    # stream beside the compute stream's 90.74 GiB peak (docs/memory.md). With it (the
+    # default, one replica group) the shards take what the backward frees.
+    from dtrain.memory.plan import fsdp_grads_pool_apart
+
+    cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
+    base = MemorySetup(
+        strategy="fsdp",
+        precision=PRECISIONS["bf16"],
+        world_size=2,
+        micro_batch_size=4,
+        seq_len=512,
+    )
+    plans = {
+        name: plan_memory(cfg, replace(base, **kw))
+        for name, kw in {
+            "on": {},
+            "off": {"grads_on_compute_stream": False},
+            "hsdp": {"replicate_degree": 2},
+            "cpu": {"device": "cpu", "grads_on_compute_stream": False},
+        }.items()
+    }
+    on, off, hsdp = plans["on"], plans["off"], plans["hsdp"]
+    assert on.phase == off.phase == "backward"
+    assert on.at_peak["grads"] == 0 and off.at_peak["grads"] == off.grads_bytes > 0
+    assert off.peak_bytes - on.peak_bytes == off.grads_bytes
+    assert hsdp.at_peak["grads"] == hsdp.grads_bytes  # HSDP keeps FSDP2's own allocation
+    assert plans["cpu"].at_peak["grads"] == 0  # no streams off CUDA
+    assert not fsdp_grads_pool_apart(replace(base, strategy="ddp", grads_on_compute_stream=False))

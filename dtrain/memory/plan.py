@@ -215,9 +215,19 @@ def _grads_at_backward(cfg: ModelConfig, setup: MemorySetup, grads: int) -> int:
     if facts.persistent_grads:
         return grads
     if facts.shards:
-        return 0
+        return grads if fsdp_grads_pool_apart(setup) else 0
     # set_to_none: gradients are rebuilt while activations are freed, the output layer's first.
     return min(grads, cfg.vocab_size * cfg.d_model * setup.precision.param_dtype.itemsize)
+
+
+def fsdp_grads_pool_apart(setup: MemorySetup) -> bool:
+    """FSDP2 on CUDA allocates the gradient shards under its reduce-scatter stream, whose pool
+    of the caching allocator the compute stream cannot use: the shards then add to reserved
+    memory beside the compute stream's peak (8b, 2x H200: 14.96 GiB), unless dtrain hands
+    them the compute stream's memory (strategy.grads_on_compute_stream, one replica group)."""
+    if setup.device != "cuda" or setup.facts.partition != "dim0" or setup.cpu_offload:
+        return False
+    return not (setup.grads_on_compute_stream and setup.replicate_degree == 1)
 
 
 def _step_transient(shapes, setup: MemorySetup, grads: int, gathered: int) -> int:

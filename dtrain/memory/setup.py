@@ -26,6 +26,9 @@ class MemorySetup:
     reshard_after_forward: bool = True  # fsdp
     replicate_degree: int = 1  # fsdp: HSDP replicas (shard within world_size / replicate_degree)
     cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
+    # fsdp on CUDA: gradient shards from the compute stream's memory (False, or HSDP: a pool of
+    # the reduce-scatter stream's own, reserved beside the compute stream's peak)
+    grads_on_compute_stream: bool = True
     offload_optimizer: bool = False  # zero*: optimizer states (and fp32 master) on the host
     offload_params: bool = False  # zero3: parameters on the host
     ds_bucket_elements: int = 25 * 2**20 // 4  # DeepSpeed's reduce/allgather buckets

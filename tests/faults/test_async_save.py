@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 import dtrain.checkpoint as ckpt_mod
@@ -94,6 +95,9 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
         assert (
             0 < r["snapshot_s"] and 0 < r["dcp_s"] and r["snapshot_s"] + r["dcp_s"] <= r["stall_s"]
         )
+    # The async save's stall at the save itself, before any later wait for its write.
+    a = recs[0]
+    assert a["snapshot_s"] + a["dcp_s"] <= a["at_save_s"] <= a["stall_s"]
     # Byte for byte what the synchronous save wrote: the shards, the RNG state, the data position.
     for step in (4, 8):
         assert shards(tmp_path / "async", step) == shards(tmp_path / "sync", step), step
@@ -123,29 +127,42 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
     assert out["stall_ratio"] > 0
 
 
-def test_the_loop_waits_for_the_copy_to_host_memory_before_the_next_update(tmp_path, monkeypatch):
-    # The stager copies the state in a thread of its own while the loop runs step 5's forward
-    # and backward; here each copy is held back 2 s, far longer than a step. A loop that did
-    # not wait before the update would change the weights under the copy, and the checkpoint
-    # would hold a later step's state than a synchronous save of step 4.
-    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+def test_async_saves_reuse_one_set_of_host_buffers(tmp_path, monkeypatch):
+    # On CUDA every async save stages into the pinned host buffers made at the first one
+    # (the writer's cache_staged_state_dict). Here the same path runs on CPU (pinning made a
+    # no-op): two async saves, each the bytes a synchronous save of its step writes, and the
+    # second copied into the first's buffers, not into new ones.
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    from torch.utils._pytree import tree_leaves
 
-    train(tmp_path / "sync", *EVERY_4)
-    real_stage, stagers = StateDictStager.stage, []
+    twelve = [a for a in EVERY_4 if not a.startswith("trainer.max_steps")]
+    twelve.append("trainer.max_steps=12")
+    train(tmp_path / "sync", *twelve)
+    real_stage, staged = BlockingAsyncStager.stage, []
 
-    def slow_stage(self, state_dict, non_blocking=False):
-        stagers.append(threading.current_thread().name)
-        time.sleep(2.0)
-        return real_stage(self, state_dict, non_blocking)
+    def stage(self, state_dict):
+        out = real_stage(self, state_dict)
+        staged.append((id(self), self.cache_staged_state_dict, out))
+        return out
 
-    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
-    train(tmp_path / "async", *EVERY_4, ASYNC)
-    assert stagers and threading.main_thread().name not in stagers
-    rec = checkpoint_records(tmp_path / "async")[0]
-    assert rec["async"] and rec["dcp_s"] < 1.0  # the loop did not copy the state itself
-    assert 2.0 <= rec["staging_s"] and 1.0 < rec["staging_wait_s"] <= rec["stall_s"]
-    assert shards(tmp_path / "async", 4) == shards(tmp_path / "sync", 4)
-    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
+    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(BlockingAsyncStager, "stage", stage)
+    train(tmp_path / "async", *twelve, ASYNC)
+    recs = checkpoint_records(tmp_path / "async")
+    assert [(r["path"], r["async"]) for r in recs] == [
+        ("step_0000004", True),
+        ("step_0000008", True),
+        ("step_0000012", False),
+    ]
+    assert len(staged) == 2 and staged[0][0] == staged[1][0]  # one writer
+    assert staged[0][1]  # cache_staged_state_dict: its buffers, kept
+    first, second = (
+        [t.data_ptr() for t in tree_leaves(out) if torch.is_tensor(t)] for *_, out in staged
+    )
+    assert first == second and len(first) > 10
+    for step in (4, 8, 12):
+        assert shards(tmp_path / "async", step) == shards(tmp_path / "sync", step), step
 
 
 def test_fsdp_async_checkpoint_resumes_bit_exactly(tmp_path):
