@@ -119,11 +119,21 @@ def test_memory_prediction_at_1b_within_10_percent(name, tmp_path, results):
 
 
 @pytest.mark.xdist_group("memory_1b")
-def test_fsdp_gradients_take_the_memory_the_backward_frees(tmp_path, results):
+def test_fsdp_gradients_take_the_memory_the_backward_frees(tmp_path_factory, tmp_path, results):
     """strategy.grads_on_compute_stream (the default): FSDP2's reduce-scatter outputs, the
     gradient shards, come from the compute stream's memory. The same bits as FSDP2's own
     allocation, and at 1b the gradient shards no longer add a pool of their own to what the
     run reserves (8b, 2x H200: 108.65 GiB reserved for 90.50 allocated without it)."""
+    # Bitwise on the small model, whose eager fsdp runs repeat bit for bit (the resume test).
+    off = run(
+        tmp_path / "small-off",
+        "precision=bf16",
+        EAGER,
+        *STRATEGIES["fsdp"],
+        "strategy.grads_on_compute_stream=false",
+        nproc=2,
+    )
+    assert losses(straight(tmp_path_factory, "fsdp")) == losses(off)
     recs = {
         flag: run(
             tmp_path / flag,
@@ -135,7 +145,10 @@ def test_fsdp_gradients_take_the_memory_the_backward_frees(tmp_path, results):
         )
         for flag in ("true", "false")
     }
-    assert losses(recs["true"]) == losses(recs["false"])
+    # At seq 2048 flash attention's backward adds in an order that varies from run to run
+    # (1b, 2x H200: 5e-6 of the loss at step 2): the losses agree to that rounding.
+    a, b = losses(recs["true"]), losses(recs["false"])
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-4 * abs(b[s]) for s in a), (a, b)
     mem = {flag: last(r, "memory_per_rank")[0] for flag, r in recs.items()}
     grads = mem["true"]["grads_bytes"]
     saved = mem["false"]["peak_reserved_bytes"] - mem["true"]["peak_reserved_bytes"]
