@@ -886,3 +886,29 @@ def test_fsdp_gradient_shards_add_a_pool_of_their_own_unless_on_the_compute_stre
     assert hsdp.at_peak["grads"] == hsdp.grads_bytes  # HSDP keeps FSDP2's own allocation
     assert plans["cpu"].at_peak["grads"] == 0  # no streams off CUDA
     assert not fsdp_grads_pool_apart(replace(base, strategy="ddp", grads_on_compute_stream=False))
+
+
+def test_fp8_under_fsdp_plans_the_kept_fp8_weight_shards():
+    # dtrain.lowp.fp8 casts each block-linear weight shard to fp8 once per step and keeps it
+    # for the all-gathers: one byte per element of this rank's shards, at both peak moments.
+    cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
+    setup = MemorySetup(
+        strategy="fsdp",
+        precision=PRECISIONS["fp8"],
+        world_size=2,
+        micro_batch_size=4,
+        seq_len=512,
+    )
+    shapes = param_shapes(cfg)
+    linears = sum(math.prod(s) for s in shapes if len(s) == 2 and s[0] != cfg.vocab_size)
+    with_cache = plan_memory(cfg, setup)
+    assert any("fp8 copy" in n for n in with_cache.notes)
+    rowwise = replace(PRECISIONS["fp8"], fp8_recipe="rowwise")  # gathers in bf16: no cache
+    without = plan_memory(cfg, replace(setup, precision=rowwise))
+    assert not any("fp8 copy" in n for n in without.notes)
+    one_rank = plan_memory(cfg, replace(setup, world_size=1))
+    assert not any("fp8 copy" in n for n in one_rank.notes)
+    from dtrain.memory.plan import _fp8_shard_cache_bytes
+
+    assert _fp8_shard_cache_bytes(cfg, setup) == math.ceil(linears / 2)
+    assert with_cache.at_peak["transient"] >= math.ceil(linears / 2)
