@@ -50,8 +50,11 @@ def summarize(snapshot: dict) -> dict:
     return {"total": total, "streams": streams}
 
 
-# The trace's events that change what is allocated or reserved, with their sign.
-_ALLOCATED = {"alloc": 1, "free_completed": -1}
+# The trace's events that change what is allocated or reserved, with their sign. A block
+# counts as free at free_requested, as torch's own allocated statistics and the segments'
+# allocated_size count it; its free_completed comes later where record_stream made the
+# allocator wait for another stream (FSDP's gradients with strategy.grads_on_compute_stream).
+_ALLOCATED = {"alloc": 1, "free_requested": -1}
 _RESERVED = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
 
@@ -63,8 +66,9 @@ def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
     where streams peak at different times (the sum of their peaks) or where one stream's
     free blocks are too small for its next request (its reserved above its own peak).
 
-    The trace starts when recording did: what was allocated before is counted from the end
-    state back (end minus the trace's net change), and only traced allocations are named."""
+    The trace holds the last MAX_ENTRIES events since recording began: what was allocated
+    before its first event is counted from the end state back (end minus the trace's net
+    change), a peak before it is not seen, and only traced allocations are named."""
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
     end = summarize(snapshot)["streams"]
@@ -110,10 +114,14 @@ def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
     }
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent) + "/"
+
+
 def _where(frames: list[dict]) -> str:
-    """The first frame outside torch's own code (else the first): who asked for the memory."""
+    """The first frame outside torch's own package (else the first): who asked for the
+    memory."""
     for f in frames:
-        if "/torch/" not in f.get("filename", ""):
+        if not f.get("filename", "").startswith(_TORCH_DIR):
             return f"{f.get('filename')}:{f.get('line')} ({f.get('name')})"
     f = frames[0] if frames else {}
     return f"{f.get('filename', '?')}:{f.get('line', '?')} ({f.get('name', '?')})"

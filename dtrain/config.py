@@ -82,7 +82,7 @@ class StrategyConfig:
     activation_checkpointing: ActivationCheckpointingMode = "none"  # fsdp: per block
     replicate_degree: int = 1  # fsdp: > 1 is HSDP (replicate across groups, shard within)
     # fsdp on CUDA: gradients take the memory the backward frees on the compute stream, not a
-    # pool of the reduce-scatter stream's own (8b, 2x H200: 14.96 GiB less reserved)
+    # pool of the reduce-scatter stream's own (8b, 2x H200: 14.80 GiB less reserved)
     grads_on_compute_stream: bool = True
     stage: int | None = None  # deepspeed: ZeRO stage 1, 2 or 3 (zero1/2/3 set it)
     offload_optimizer: bool = False  # deepspeed: optimizer states and step on the CPU

@@ -100,8 +100,9 @@ def test_the_timeline_replays_each_streams_peak_and_names_what_was_live_at_the_p
     # end state). Traced: stream 7 took 30 MiB and gave it back before stream 0 peaked, so
     # what is reserved (62 MiB) is about the sum of the two streams' peaks, never live at once.
     def ev(action, addr, size, stream, line=1):
-        frames = [{"filename": "/x/torch/autograd.py", "line": 9, "name": "f"}]
-        frames.append({"filename": "/x/dtrain/model.py", "line": line, "name": "forward"})
+        torch_frame = snap._TORCH_DIR + "autograd/function.py"
+        frames = [{"filename": torch_frame, "line": 9, "name": "f"}]
+        frames.append({"filename": "/opt/torch/.venv/x/model.py", "line": line, "name": "fwd"})
         return dict(action=action, addr=addr, size=size, stream=stream, frames=frames)
 
     trace = [
@@ -112,7 +113,12 @@ def test_the_timeline_replays_each_streams_peak_and_names_what_was_live_at_the_p
         ev("segment_alloc", 200, 20 * MiB, 0),
         ev("alloc", 200, 12 * MiB, 0, line=7),
         ev("alloc", 300, 6 * MiB, 0, line=8),
+        ev("free_requested", 300, 6 * MiB, 0),
         ev("free_completed", 300, 6 * MiB, 0),
+        # Freed under record_stream: free at once for torch's statistics and the segments'
+        # allocated_size, completed only after the other stream's work (here: not yet).
+        ev("alloc", 400, 4 * MiB, 0, line=9),
+        ev("free_requested", 400, 4 * MiB, 0),
     ]
     t = snap.timeline(dict(SNAPSHOT, device_traces=[trace]))
     # Stream 0 held 2 MiB before the trace (its end state 14 minus the trace's net 12).
@@ -121,7 +127,7 @@ def test_the_timeline_replays_each_streams_peak_and_names_what_was_live_at_the_p
     assert t["peak_allocated"] == 32 * MiB  # stream 7's 30 and stream 0's 2 then: not 50
     assert t["at_peak"]["allocated"] == {"0": 2 * MiB, "7": 30 * MiB}
     assert t["at_peak"]["largest"] == [
-        {"size": 30 * MiB, "stream": "7", "where": "/x/dtrain/model.py:5 (forward)"}
+        {"size": 30 * MiB, "stream": "7", "where": "/opt/torch/.venv/x/model.py:5 (fwd)"}
     ]
     line = snap.describe_timeline(t)
     assert "stream 0: peak 0.02 GiB allocated of 0.02 reserved" in line

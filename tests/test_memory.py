@@ -886,11 +886,14 @@ def test_fsdp_gradient_shards_add_a_pool_of_their_own_unless_on_the_compute_stre
     assert hsdp.at_peak["grads"] == hsdp.grads_bytes  # HSDP keeps FSDP2's own allocation
     assert plans["cpu"].at_peak["grads"] == 0  # no streams off CUDA
     assert not fsdp_grads_pool_apart(replace(base, strategy="ddp", grads_on_compute_stream=False))
+    # Reduced in bf16, the shards are cast back to fp32 on FSDP2's stream: a pool apart again.
+    bf16_reduce = replace(PRECISIONS["bf16"], reduce_dtype=torch.bfloat16)
+    assert fsdp_grads_pool_apart(replace(base, precision=bf16_reduce))
 
 
 def test_fp8_under_fsdp_plans_the_kept_fp8_weight_shards():
     # dtrain.lowp.fp8 casts each block-linear weight shard to fp8 once per step and keeps it
-    # for the all-gathers: one byte per element of this rank's shards, at both peak moments.
+    # for the all-gathers: one byte per element of this rank's shards, counted at the peak.
     cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
     setup = MemorySetup(
         strategy="fsdp",

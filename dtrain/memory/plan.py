@@ -246,9 +246,13 @@ def fsdp_grads_pool_apart(setup: MemorySetup) -> bool:
     """FSDP2 on CUDA allocates the gradient shards under its reduce-scatter stream, whose pool
     of the caching allocator the compute stream cannot use: the shards then add to reserved
     memory beside the compute stream's peak (8b, 2x H200: 14.96 GiB), unless dtrain hands
-    them the compute stream's memory (strategy.grads_on_compute_stream, one replica group)."""
+    them the compute stream's memory (strategy.grads_on_compute_stream, one replica group,
+    gradients reduced in their own dtype)."""
     if setup.device != "cuda" or setup.facts.partition != "dim0" or setup.cpu_offload:
         return False
+    pr = setup.precision
+    if pr.reduce_dtype != pr.param_dtype:  # FSDP2 casts the reduced shards back to the param
+        return True  # dtype on its reduce-scatter stream: a new allocation in its own pool
     return not (setup.grads_on_compute_stream and setup.replicate_degree == 1)
 
 

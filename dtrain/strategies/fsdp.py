@@ -227,7 +227,9 @@ class FSDPStrategy(Strategy):
     @property
     def grads_on_compute_stream(self) -> bool:
         """strategy.grads_on_compute_stream, where it applies: CUDA, one replica group (HSDP
-        all-reduces the gradients on a third stream), gradients on the GPU."""
+        all-reduces the gradients on a third stream), gradients on the GPU. With a reduce dtype
+        other than the parameters' (precision.reduce_dtype=bf16) only the reduced buffer comes
+        from the compute stream: FSDP2 casts it back on its own stream (the planner counts it)."""
         c = self.cfg
         return (
             c.grads_on_compute_stream
@@ -269,7 +271,9 @@ def grads_from_compute_pool(modules: list[nn.Module], device: torch.device) -> b
 
     class ComputePoolReduceScatter(DefaultReduceScatter):
         def allocate(self, size, *, dtype, device):
-            stream = torch.cuda.current_stream(device)  # the reduce-scatter's, for the output
+            # The reduce-scatter stream for the output; for the input FSDP2 calls this on the
+            # compute stream, where nothing needs recording.
+            stream = torch.cuda.current_stream(device)
             with torch.cuda.stream(compute):
                 out = torch.empty(*size, dtype=dtype, device=device)
             if stream != compute:

@@ -145,10 +145,11 @@ def test_fsdp_gradients_take_the_memory_the_backward_frees(tmp_path_factory, tmp
         )
         for flag in ("true", "false")
     }
-    # At seq 2048 flash attention's backward adds in an order that varies from run to run
-    # (1b, 2x H200: 5e-6 of the loss at step 2): the losses agree to that rounding.
+    # At seq 2048 flash attention's backward adds in an order that varies from run to run:
+    # 1b on 2x H200 differed by 5e-6 of the loss at step 2 and 6e-5 at step 4. 1e-3 holds that
+    # rounding with room; a wrong or missing gradient moves the loss by far more.
     a, b = losses(recs["true"]), losses(recs["false"])
-    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-4 * abs(b[s]) for s in a), (a, b)
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-3 * abs(b[s]) for s in a), (a, b)
     mem = {flag: last(r, "memory_per_rank")[0] for flag, r in recs.items()}
     grads = mem["true"]["grads_bytes"]
     saved = mem["false"]["peak_reserved_bytes"] - mem["true"]["peak_reserved_bytes"]
