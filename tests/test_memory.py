@@ -856,20 +856,26 @@ def test_plan_takes_hsdp_as_fsdp_within_groups():
     )
 
 
+def _small_fsdp_on_two(precision: str) -> tuple[ModelConfig, MemorySetup]:
+    """A small model under fsdp on 2 GPUs, for the planner's fsdp-only terms."""
+    cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
+    setup = MemorySetup(
+        strategy="fsdp",
+        precision=PRECISIONS[precision],
+        world_size=2,
+        micro_batch_size=4,
+        seq_len=512,
+    )
+    return cfg, setup
+
+
 def test_fsdp_gradient_shards_add_a_pool_of_their_own_unless_on_the_compute_stream():
     # 8b on 2x H200 without it: 14.96 GiB of gradient shards reserved by the reduce-scatter
     # stream beside the compute stream's 90.74 GiB peak (docs/memory.md). With it (the
     # default, one replica group) the shards take what the backward frees.
     from dtrain.memory.plan import fsdp_grads_pool_apart
 
-    cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
-    base = MemorySetup(
-        strategy="fsdp",
-        precision=PRECISIONS["bf16"],
-        world_size=2,
-        micro_batch_size=4,
-        seq_len=512,
-    )
+    cfg, base = _small_fsdp_on_two("bf16")
     plans = {
         name: plan_memory(cfg, replace(base, **kw))
         for name, kw in {
@@ -894,14 +900,7 @@ def test_fsdp_gradient_shards_add_a_pool_of_their_own_unless_on_the_compute_stre
 def test_fp8_under_fsdp_plans_the_kept_fp8_weight_shards():
     # dtrain.lowp.fp8 casts each block-linear weight shard to fp8 once per step and keeps it
     # for the all-gathers: one byte per element of this rank's shards, counted at the peak.
-    cfg = ModelConfig(vocab_size=32000, n_layer=4, d_model=512, n_head=8)
-    setup = MemorySetup(
-        strategy="fsdp",
-        precision=PRECISIONS["fp8"],
-        world_size=2,
-        micro_batch_size=4,
-        seq_len=512,
-    )
+    cfg, setup = _small_fsdp_on_two("fp8")
     shapes = param_shapes(cfg)
     linears = sum(math.prod(s) for s in shapes if len(s) == 2 and s[0] != cfg.vocab_size)
     with_cache = plan_memory(cfg, setup)
