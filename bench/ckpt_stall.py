@@ -37,6 +37,8 @@ def stalls(run_dir: Path) -> dict:
         # Async: the loop's time blocked at the save itself (the rest of stall_s is waiting
         # for the write later: where the next save comes before it is done, or the run ends).
         "at_save_s": [round(c["at_save_s"], 4) for _, c in recs if "at_save_s" in c],
+        # Async on a GPU, first save: the part of at_save_s spent making the pinned buffers.
+        "buffers_s": [round(c["buffers_s"], 4) for _, c in recs if "buffers_s" in c],
         "median_stall_s": statistics.median(c["stall_s"] for _, c in recs) if recs else None,
         "median_save_s": statistics.median(c["save_s"] for _, c in recs) if recs else None,
     }

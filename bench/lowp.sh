@@ -22,16 +22,22 @@ fsdp8b() {  # $1 = result name, then overrides
   MODEL=8b dtrain_run "$name" 2 strategy=fsdp model=8b trainer.seq_len=8192 \
     trainer.micro_batch_size=1 data.vocab_size=128256 "$@"
 }
-# A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too).
+# A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
+# fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
+# dtrain/lowp/fp8_layout.py), set through the environment by fp8env.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
+  fp8fused) echo "precision=fp8" ;;
   *) echo "precision=$1" ;; esac; }
+fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"
 }
 case "${1:-}" in
-  fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do fsdp8b fsdp8b_$p $(prec $p); done ;;
-  single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do single1b single1b_$p $(prec $p); done ;;
+  fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
+      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) fsdp8b fsdp8b_$p $(prec $p); done ;;
+  single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
+      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) single1b single1b_$p $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
@@ -40,7 +46,7 @@ case "${1:-}" in
   profile8b|profile1b)
     run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
     for p in ${PRECS:-bf16 fp8}; do
-      $run prof${1#profile}_$p precision=$p profile.enabled=true profile.wait=8 \
+      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
   *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2

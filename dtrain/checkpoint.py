@@ -53,6 +53,7 @@ from dtrain import dist as ddist
 from dtrain import faults
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.host_staging import host_buffers
 
 # DCP warns on every save/load without a process group; a single process is intended there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
@@ -315,6 +316,9 @@ class Saved:
     # An async save: the part of stall_s at the save itself (snapshot, staging, starting the
     # write); the rest is waiting for the write later (the next save, the end of the run).
     at_save_s: float | None = None
+    # The first async save on a GPU: the part of at_save_s spent making the pinned host
+    # buffers every later save reuses (dtrain.host_staging).
+    buffers_s: float | None = None
 
 
 @dataclass
@@ -326,6 +330,7 @@ class _InFlight:
     snapshot_s: float | None  # Saved.snapshot_s
     dcp_s: float | None  # Saved.dcp_s
     at_save_s: float = 0.0  # Saved.at_save_s
+    buffers_s: float | None = None  # Saved.buffers_s
 
 
 def _storage_writer(partial: Path, step: int, *, keep_host_buffers: bool = False):
@@ -471,6 +476,7 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         started = time.perf_counter() if started is None else started
+        buffers_s = None  # making the host buffers: the first async save only
         self._check_idle()
         partial, err = self._begin(step)
         if err is not None:
@@ -480,11 +486,16 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
             pinned = _pinned_staging()
             self._writer = _storage_writer(partial, step, keep_host_buffers=pinned)
-            if pinned:
+            if pinned:  # the writer's cache, made here in one page-locked allocation
+                t0 = time.perf_counter()
+                cache, self._writer.host_buffer = host_buffers(state, pin=True)
+                self._writer.state_dict_cache = cache
+                buffers_s = time.perf_counter() - t0
                 log.info(
-                    "async checkpoints: %.2f GiB of pinned host memory per rank hold the "
-                    "state being written, for the rest of the run",
-                    _host_bytes(state) / 1024**3,
+                    "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
+                    "%.1f s) hold the state being written, for the rest of the run",
+                    self._writer.host_buffer.numel() / 1024**3,
+                    buffers_s,
                 )
         self._writer.step = step
         manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
@@ -514,7 +525,9 @@ class CheckpointManager:
 
         future = self._executor.submit(finish)
         stall = time.perf_counter() - started
-        self._in_flight = _InFlight(step, started, future, stall, snapshot_s, dcp_s, stall)
+        self._in_flight = _InFlight(
+            step, started, future, stall, snapshot_s, dcp_s, stall, buffers_s
+        )
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
@@ -552,6 +565,7 @@ class CheckpointManager:
             snapshot_s=job.snapshot_s,
             dcp_s=job.dcp_s,
             at_save_s=job.at_save_s,
+            buffers_s=job.buffers_s,
         )
 
     def close(self) -> None:

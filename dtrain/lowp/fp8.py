@@ -3,7 +3,9 @@
 Tensorwise scales (one per tensor; under FSDP2 the weights are all-gathered already in fp8,
 halving that traffic) or rowwise scales (one per row: more accurate, a little slower). Dynamic
 scales; e4m3 inputs and weights, gradients e5m2 (tensorwise) or e4m3 (rowwise), as torchao's
-recipes define them.
+recipes define them. Under torch.compile the transposed copies the weight-gradient GEMMs read
+get a kernel of their own (dtrain/lowp/fp8_layout.py); `DTRAIN_FP8_TRANSPOSE=inductor` leaves
+them to Inductor's fusion instead (A/B runs).
 On hardware without fp8 tensor cores torchao can emulate the casts (`emulate=True`): the
 numerics of fp8, the speed of nothing; for tests.
 """
@@ -11,12 +13,14 @@ numerics of fp8, the speed of nothing; for tests.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
+from dtrain.lowp.fp8_layout import install_transposes_apart
 
 
 def _fp8_shape_ok(module: nn.Module) -> bool:
@@ -52,6 +56,8 @@ def apply_fp8(
         return ok
 
     convert_to_float8_training(module, config=config, module_filter_fn=keep)
+    if os.environ.get("DTRAIN_FP8_TRANSPOSE", "apart") != "inductor":  # "inductor": A/B runs
+        install_transposes_apart()
     if fsdp_fp8:
         install_cached_weight_cast()
     return len(selected)

@@ -98,7 +98,8 @@ class Saver:
         writer.scalars(s.step, {"checkpoint/stall_s": s.stall_s, "checkpoint/save_s": s.save_s})
         record = {"path": s.path.name, "async": s.background, "done_at_step": now}
         record.update(stall_s=s.stall_s, save_s=s.save_s)
-        for key in ("snapshot_s", "dcp_s", "at_save_s"):  # the parts of the stall measured
+        # The parts of the stall measured.
+        for key in ("snapshot_s", "dcp_s", "at_save_s", "buffers_s"):
             if getattr(s, key) is not None:
                 record[key] = getattr(s, key)
         writer.record({"step": s.step, "checkpoint": record})

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dtrain.checkpoint as ckpt_mod
-from dtrain import faults
+from dtrain import faults, host_staging
 from dtrain.checkpoint import MANIFEST, MARKER, CheckpointManager, CheckpointSaveError
 from dtrain.config import CheckpointConfig
 from dtrain.errors import ConfigError
@@ -129,9 +129,10 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
 
 def test_async_saves_reuse_one_set_of_host_buffers(tmp_path, monkeypatch):
     # On CUDA every async save stages into the pinned host buffers made at the first one
-    # (the writer's cache_staged_state_dict). Here the same path runs on CPU (pinning made a
-    # no-op): two async saves, each the bytes a synchronous save of its step writes, and the
-    # second copied into the first's buffers, not into new ones.
+    # (the writer's cache_staged_state_dict), made as one page-locked allocation. Here the
+    # same path runs on CPU (page-locking made a no-op): two async saves, each the bytes a
+    # synchronous save of its step writes, and the second copied into the first's buffers,
+    # not into new ones.
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
     from torch.utils._pytree import tree_leaves
 
@@ -145,8 +146,9 @@ def test_async_saves_reuse_one_set_of_host_buffers(tmp_path, monkeypatch):
         staged.append((id(self), self.cache_staged_state_dict, out))
         return out
 
+    pinned = []
     monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(host_staging, "_pin", lambda flat: pinned.append(flat.numel()))
     monkeypatch.setattr(BlockingAsyncStager, "stage", stage)
     train(tmp_path / "async", *twelve, ASYNC)
     recs = checkpoint_records(tmp_path / "async")
@@ -161,6 +163,10 @@ def test_async_saves_reuse_one_set_of_host_buffers(tmp_path, monkeypatch):
         [t.data_ptr() for t in tree_leaves(out) if torch.is_tensor(t)] for *_, out in staged
     )
     assert first == second and len(first) > 10
+    # ... all of them views into the one buffer page-locked once (dtrain.host_staging)
+    leaves = [t for t in tree_leaves(staged[0][2]) if torch.is_tensor(t) and t.dim()]
+    storages = {t.untyped_storage().data_ptr() for t in leaves}
+    assert len(pinned) == 1 and len(storages) == 1
     for step in (4, 8, 12):
         assert shards(tmp_path / "async", step) == shards(tmp_path / "sync", step), step
 

@@ -1,0 +1,106 @@
+"""fp8 transposes in a kernel of their own under torch.compile.
+
+fp8 GEMMs (torch._scaled_mm) take the first operand row-major and the second column-major, so
+for the weight gradient, dW = dyᵀ·x, torchao makes token-contiguous copies of both
+token-major fp8 activations (`clone(permute(t, [1, 0]))` in the compiled graph). Inductor fuses
+each such copy into the kernel that produces the fp8 tensor. Where that kernel works row by row
+(the RMSNorm backward that yields the gradient w2's backward reads, the SwiGLU backward), one
+row's bytes go one per row of the transposed output: uncoalesced writes. In the fifth session's
+8b fsdp trace (seq 8192, 2x H200; docs/benchmarks.md) the RMSNorm backward took 1.94 ms a layer
+under fp8 against 0.19 ms under bf16, 56 ms of a 718 ms step, and the SwiGLU backward 12 ms
+more than bf16's.
+
+`transposes_apart`, a post-grad graph pass that `apply_fp8` installs, replaces every such copy
+of a contiguous 2-D fp8 tensor with `dtrain::fp8_transpose`, an op Inductor cannot fuse: the
+producer then writes only the row-major fp8 tensor it writes anyway (the grad-input GEMM reads
+it), coalesced, and the op transposes it in one tiled pass (a byte read and a byte written per
+element). Data movement only: the results are the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_compiled_t = None
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.t().clone(memory_format=torch.contiguous_format)  # a copy even where t() is one
+
+
+@torch.library.custom_op("dtrain::fp8_transpose", mutates_args=())
+def fp8_transpose(x: torch.Tensor) -> torch.Tensor:
+    """x (M, N) -> its transpose (N, M), contiguous. On CUDA one Inductor-generated kernel
+    (Inductor tiles a transposing copy in 2-D, so reads and writes are both coalesced)."""
+    global _compiled_t
+    if x.device.type != "cuda":
+        return _t(x)
+    if _compiled_t is None:
+        _compiled_t = torch.compile(_t, dynamic=True)
+    return _compiled_t(x)
+
+
+@fp8_transpose.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+def _transposed_source(node: fx.Node) -> fx.Node | None:
+    """The contiguous 2-D fp8 tensor `node` copies transposed, or None."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.target is not aten.clone.default:
+        return None
+    if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+        return None
+    perm = node.args[0]
+    if not (isinstance(perm, fx.Node) and perm.target is aten.permute.default):
+        return None
+    if list(perm.args[1]) not in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
+        return None
+    src = perm.args[0]
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype not in _FP8 or val.dim() != 2:
+        return None
+    return src if val.is_contiguous() else None
+
+
+class TransposesApart(CustomGraphPass):
+    """The post-grad pass (module docstring). Runs after any pass that was installed before."""
+
+    def __init__(self, then=None):
+        self.then = then  # a pass someone else installed: still runs, after this one
+
+    def __call__(self, graph: fx.Graph) -> None:
+        replaced = 0
+        for node in list(graph.nodes):
+            src = _transposed_source(node)
+            if src is None:
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.dtrain.fp8_transpose.default, (src,))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            replaced += 1
+        if replaced:
+            graph.eliminate_dead_code()
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self):  # Inductor's FX graph cache keys on this
+        later = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return (get_hash_for_files((__file__,)), later)
+
+
+def install_transposes_apart() -> None:
+    """Install the pass for every graph Inductor compiles in this process (idempotent). It
+    touches only transposed copies of fp8 tensors, so other graphs are unchanged."""
+    import torch._inductor.config as inductor_config
+
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, TransposesApart):
+        return
+    inductor_config.post_grad_custom_post_pass = TransposesApart(then=current)

@@ -1,0 +1,164 @@
+"""dtrain/lowp/fp8_layout.py: the fp8 weight-gradient transposes taken out of Inductor's fused
+kernels. On CPU (torch._scaled_mm runs there in real fp8): the pass finds the transposed copies
+in a compiled fp8 block's backward, replaces every one, and the step gives the same bits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dtrain.model import Block, ModelConfig, rope_tables
+from dtrain.precision import block_linear_filter
+
+pytest.importorskip("torchao")
+fp8_layout = pytest.importorskip("dtrain.lowp.fp8_layout")
+
+
+@pytest.fixture
+def inductor_pass(monkeypatch):
+    """Keep the process-wide Inductor setting as it was after the test."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
+    # Compile afresh: a graph cached on disk by an earlier run would skip the pass watched here.
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    return inductor_config
+
+
+def fp8_block(d_model=64, ffn_hidden=128, seq=48, device="cpu"):
+    """One transformer block with its linears in fp8 (torchao, tensorwise), and RoPE tables."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=d_model, n_head=4, ffn_hidden=ffn_hidden)
+    block = Block(cfg).to(device)
+
+    def keep(m, fqn):
+        return block_linear_filter(m, "layers.0." + fqn)
+
+    convert_to_float8_training(block, config=Float8LinearConfig(), module_filter_fn=keep)
+    return block, rope_tables(cfg.head_dim, seq, cfg.rope_theta, device=device)
+
+
+def compiled_step(block, rope):
+    """Output, input gradient and parameter gradients of one compiled forward and backward."""
+    d = block.attn_norm.weight
+    shape = (2, rope.shape[0], d.shape[0])
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(d.device)
+    x.requires_grad_(True)
+    compiled = torch.compile(block)
+    with torch.autocast(d.device.type, torch.bfloat16):
+        out = compiled(x, rope)[0]
+    out.float().pow(2).mean().backward()
+    return [out.detach(), x.grad] + [p.grad for p in block.parameters()]
+
+
+def fp8_transposed_copies(graph):
+    return sum(fp8_layout._transposed_source(n) is not None for n in graph.nodes)
+
+
+def test_the_pass_takes_every_fp8_transpose_out_and_changes_no_bit(inductor_pass):
+    try:
+        torch._scaled_mm(
+            torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+            torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
+            torch.ones(()),
+            torch.ones(()),
+            out_dtype=torch.bfloat16,
+        )
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no fp8 GEMM on CPU")
+    block, rope = fp8_block()
+    twin = copy.deepcopy(block)
+    torch._dynamo.reset()
+    fused = compiled_step(block, rope)  # Inductor's own fusion
+
+    seen = []
+
+    class Watch(fp8_layout.TransposesApart):
+        def __call__(self, graph):
+            before = fp8_transposed_copies(graph)
+            super().__call__(graph)
+            ops = [n for n in graph.nodes if n.target is torch.ops.dtrain.fp8_transpose.default]
+            seen.append((before, fp8_transposed_copies(graph), len(ops)))
+
+    torch._dynamo.reset()
+    inductor_pass.post_grad_custom_post_pass = Watch()
+    apart = compiled_step(twin, rope)
+    backward = max(seen, key=lambda s: s[0])
+    # The backward holds the weight-gradient transposes: dy and x of every fp8 linear (7 in a
+    # block: q, k, v, o, w1, w2, w3), of which x is shared by q, k, v and by w1, w3.
+    assert backward[0] >= 7, seen
+    assert backward[1] == 0 and backward[2] == backward[0], seen
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+
+
+def test_the_transpose_op_on_odd_shapes():
+    for rows, cols in [(1, 1), (3, 130), (257, 17)]:
+        x = torch.randn(rows, cols).to(torch.float8_e4m3fn)
+        y = torch.ops.dtrain.fp8_transpose(x)
+        assert y.shape == (cols, rows) and y.is_contiguous()
+        assert torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
+def test_only_contiguous_2d_fp8_transposes_match():
+    from torch import fx
+
+    g = fx.Graph()
+    aten = torch.ops.aten
+
+    def node(name, t):
+        n = g.placeholder(name)
+        n.meta["val"] = t
+        return n
+
+    fp8 = torch.zeros(4, 8, dtype=torch.float8_e5m2)
+    cases = {
+        "fp8": node("a", fp8),
+        "bf16": node("b", torch.zeros(4, 8, dtype=torch.bfloat16)),
+        "strided": node("c", fp8.t()),
+        "3d": node("d", torch.zeros(2, 4, 8, dtype=torch.float8_e5m2)),
+    }
+    found = {}
+    for name, src in cases.items():
+        perm = [0, 2, 1] if name == "3d" else [1, 0]
+        clone = g.call_function(
+            aten.clone.default, (g.call_function(aten.permute.default, (src, perm)),)
+        )
+        found[name] = fp8_layout._transposed_source(clone) is src
+    assert found == {"fp8": True, "bf16": False, "strided": False, "3d": False}
+
+
+def test_apply_fp8_installs_the_pass_once_and_keeps_an_earlier_one(inductor_pass, monkeypatch):
+    from dtrain.lowp.fp8 import apply_fp8
+
+    calls = []
+
+    class Earlier(fp8_layout.CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(graph)
+
+        def uuid(self):
+            return "earlier"
+
+    inductor_pass.post_grad_custom_post_pass = Earlier()
+    for _ in range(2):
+        apply_fp8(_fp8_block_plain(), block_linear_filter, emulate=True)
+    installed = inductor_pass.post_grad_custom_post_pass
+    assert isinstance(installed, fp8_layout.TransposesApart)
+    assert isinstance(installed.then, Earlier)  # installed once, not wrapped twice
+    installed(torch.fx.Graph())
+    assert len(calls) == 1
+    assert installed.uuid()[1] == "earlier"  # the cache key changes with the earlier pass
+
+    monkeypatch.setenv("DTRAIN_FP8_TRANSPOSE", "inductor")
+    inductor_pass.post_grad_custom_post_pass = None
+    apply_fp8(_fp8_block_plain(), block_linear_filter, emulate=True)
+    assert inductor_pass.post_grad_custom_post_pass is None
+
+
+def _fp8_block_plain():
+    return torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Block(ModelConfig(d_model=64))])})
