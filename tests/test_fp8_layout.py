@@ -5,12 +5,16 @@ in a compiled fp8 block's backward, replaces every one, and the step gives the s
 from __future__ import annotations
 
 import copy
+import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from dtrain.model import Block, ModelConfig, rope_tables
 from dtrain.precision import block_linear_filter
+from tests.conftest import ROOT, cli_env
 
 pytest.importorskip("torchao")
 fp8_layout = pytest.importorskip("dtrain.lowp.fp8_layout")
@@ -162,3 +166,32 @@ def test_apply_fp8_installs_the_pass_once_and_keeps_an_earlier_one(inductor_pass
 
 def _fp8_block_plain():
     return torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Block(ModelConfig(d_model=64))])})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_the_triton_transpose_in_the_interpreter():
+    # The CUDA kernel's code, run on CPU by Triton's interpreter: odd shapes, partial tiles.
+    code = (
+        "import torch\n"
+        "from dtrain.lowp.transpose_triton import transpose_bytes\n"
+        "for m, n in [(1, 1), (3, 130), (129, 64), (200, 17)]:\n"
+        "    x = torch.randn(m, n).to(torch.float8_e5m2)\n"
+        "    y = torch.ops.dtrain.fp8_transpose(x)\n"
+        "    assert y.shape == (n, m) and y.is_contiguous(), (m, n)\n"
+        "    want = x.t().contiguous().view(torch.uint8)\n"
+        "    assert torch.equal(y.view(torch.uint8), want), (m, n)\n"
+        "print('OK')\n"
+    )
+    env = cli_env()
+    env["TRITON_INTERPRET"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    pre = "import dtrain.lowp.fp8_layout\n"
+    res = subprocess.run(
+        [sys.executable, "-c", pre + code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

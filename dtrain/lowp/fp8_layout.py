@@ -14,33 +14,30 @@ more than bf16's.
 of a contiguous 2-D fp8 tensor with `dtrain::fp8_transpose`, an op Inductor cannot fuse: the
 producer then writes only the row-major fp8 tensor it writes anyway (the grad-input GEMM reads
 it), coalesced, and the op transposes it in one tiled pass (a byte read and a byte written per
-element). Data movement only: the results are the same bits.
+element; dtrain/lowp/transpose_triton.py). Data movement only: the results are the same bits.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_compiled_t = None
-
-
-def _t(x: torch.Tensor) -> torch.Tensor:
-    return x.t().clone(memory_format=torch.contiguous_format)  # a copy even where t() is one
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernel on CPU (tests)
 
 
 @torch.library.custom_op("dtrain::fp8_transpose", mutates_args=())
 def fp8_transpose(x: torch.Tensor) -> torch.Tensor:
-    """x (M, N) -> its transpose (N, M), contiguous. On CUDA one Inductor-generated kernel
-    (Inductor tiles a transposing copy in 2-D, so reads and writes are both coalesced)."""
-    global _compiled_t
-    if x.device.type != "cuda":
-        return _t(x)
-    if _compiled_t is None:
-        _compiled_t = torch.compile(_t, dynamic=True)
-    return _compiled_t(x)
+    """x (M, N), contiguous -> its transpose (N, M), contiguous. On CUDA a tiled Triton kernel
+    (dtrain/lowp/transpose_triton.py); elsewhere torch's copy."""
+    if x.device.type == "cuda" or _INTERPRET:
+        from dtrain.lowp.transpose_triton import transpose_bytes
+
+        return transpose_bytes(x)
+    return x.t().clone(memory_format=torch.contiguous_format)  # a copy even where t() is one
 
 
 @fp8_transpose.register_fake
