@@ -17,6 +17,9 @@ for mode in false true; do
   dtrain_run ckpt_async_$mode "$NPROC" strategy="$STRATEGY" trainer.seq_len="${SEQ:-2048}" \
     trainer.micro_batch_size="${MICRO:-8}" checkpoint.every_n_steps="$EVERY" \
     checkpoint.keep_last=1 checkpoint.async_save=$mode ${EXTRA:-}
+  # The figures are in metrics.jsonl; the checkpoints go, so the next run's fit on the disk
+  # (an 8b one is 90 GB, the box has 128).
+  rm -rf /tmp/runs/ckpt_async_$mode/checkpoints
 done
 python3 bench/ckpt_stall.py /tmp/runs/ckpt_async_false /tmp/runs/ckpt_async_true \
   --out "$OUT/async_ckpt.json"
