@@ -359,6 +359,23 @@ def _pinned_staging() -> bool:
     return torch.cuda.is_available()
 
 
+# The share of a node's available memory its ranks' pinned staging buffers may take: the rest
+# stays for the data loaders, the page cache DCP writes through, and everything else.
+HOST_SHARE = 0.7
+
+
+def _available_host_bytes() -> int | None:
+    """This node's MemAvailable (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _host_bytes(state: dict) -> int:
     """Bytes of this rank's tensors in a state dict (a DTensor: its local shard)."""
     from torch.utils._pytree import tree_leaves
@@ -394,6 +411,7 @@ class CheckpointManager:
         self._group = None  # the background saves' process group (made at the first one)
         self._executor: ThreadPoolExecutor | None = None
         self._writer = None  # the async saves' one writer (and its host buffers)
+        self._async: bool | None = None  # periodic saves in the background (use_async)
         if cfg.async_save:
             import torch.distributed.checkpoint as dcp
 
@@ -403,6 +421,38 @@ class CheckpointManager:
                     f"(torch >= 2.6); this is torch {torch.__version__}: set "
                     "checkpoint.async_save=false or upgrade torch"
                 )
+
+    def use_async(self, state: dict) -> bool:
+        """Whether periodic saves are written in the background: checkpoint.async_save, or
+        with null (the default) where there is a GPU and torch has DCP's async_save. Decided
+        at the first periodic save, collectively: on a GPU the pinned host buffers take as much
+        host memory as the rank's state, so where this node's ranks would need more than
+        HOST_SHARE of its available memory, saves stay synchronous, said in one warning."""
+        if self._async is None:
+            import torch.distributed.checkpoint as dcp
+
+            wanted = self.cfg.async_save
+            if wanted is None:
+                wanted = _pinned_staging() and hasattr(dcp, "async_save")
+            if wanted and _pinned_staging():
+                need = _host_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                have = _available_host_bytes()
+                fits = have is None or need <= HOST_SHARE * have
+                if self.world_size > 1:
+                    fits = all(ddist.all_gather_object(fits))
+                if not fits:
+                    log.warning(
+                        "checkpoints are written synchronously: async saves would pin %.2f GiB "
+                        "of host memory on this node (its ranks' state) and %s GiB are "
+                        "available (at most %d%% used for them); set checkpoint.async_save=false "
+                        "to silence this",
+                        need / 1024**3,
+                        "?" if have is None else f"{have / 1024**3:.2f}",
+                        int(HOST_SHARE * 100),
+                    )
+                wanted = fits
+            self._async = bool(wanted)
+        return self._async
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0

@@ -134,9 +134,11 @@ class CheckpointConfig:
     # would be overwritten or pruned); true deletes them once the resume point is loaded.
     overwrite_newer: bool = False
     # Periodic saves written in the background (torch.distributed.checkpoint.async_save): the
-    # loop waits only for the copy of the state to host memory. Off: on 2x H200 at 1b it cut the
-    # stall only from 27-30 s to 24-27 s a save (docs/benchmarks.md, "Checkpoint stall").
-    async_save: bool = False
+    # loop waits only for the copy of the state to host memory (pinned buffers kept for the
+    # run). null: on with CUDA, where those buffers fit in the node's memory (at 8b under fsdp
+    # on 2x H200 a save stalled the loop 19.8 s, 18.7 of them making the buffers once, against
+    # 169 s synchronous; docs/benchmarks.md), else off.
+    async_save: bool | None = None
 
 
 @dataclass

@@ -46,7 +46,7 @@ class Saver:
             "config": asdict(r.cfg),
         }
         try:
-            if r.cfg.checkpoint.async_save and not final:  # a final save has nothing to overlap
+            if not final and r.ckpt.use_async(state):  # a final save has nothing to overlap
                 r.ckpt.save_async(at_step, state, manifest, started=started, snapshot_s=snapshot_s)
                 return None
             done = r.ckpt.save(at_step, state, manifest, started=started, snapshot_s=snapshot_s)

@@ -266,3 +266,25 @@ def test_torch_without_async_save_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="checkpoint.async_save=true needs") as e:
         CheckpointManager(tmp_path, CheckpointConfig(async_save=True), rank=0, world_size=1)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("host_gib", [1024.0, 0.001], ids=["fits", "does-not-fit"])
+def test_async_by_default_on_a_gpu_where_host_memory_holds_the_buffers(
+    host_gib, tmp_path, monkeypatch, capfd
+):
+    # checkpoint.async_save unset: on a GPU (here: CPU made to look like one, page-locking a
+    # no-op) periodic saves go in the background where the node's available memory holds the
+    # pinned buffers, and stay synchronous, said in one warning, where it does not.
+    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(host_staging, "_pin", lambda flat: None)
+    monkeypatch.setattr(ckpt_mod, "_available_host_bytes", lambda: int(host_gib * 1024**3))
+    train(tmp_path, *EVERY_4)
+    fits = host_gib > 1
+    assert [r["async"] for r in checkpoint_records(tmp_path)] == [fits, False]  # 4, final 8
+    out, err = capfd.readouterr()  # the run's own log handler writes there
+    assert (out + err).count("checkpoints are written synchronously") == (0 if fits else 1)
+
+
+def test_async_is_off_by_default_without_a_gpu(tmp_path):
+    train(tmp_path, *EVERY_4)
+    assert [r["async"] for r in checkpoint_records(tmp_path)] == [False, False]
