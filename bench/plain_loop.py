@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -100,8 +101,16 @@ def main() -> None:
         cuda=cuda,
     )
     if dist.is_initialized():
+        dist.barrier()  # every rank past every collective before any tears gloo down
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # The measurement is written; leave without the interpreter's teardown. Under fsdp on gloo
+    # (CPU smoke) one run in 3-15 aborted after main() had returned, with no Python frame left
+    # ("terminate called without an active exception": a C++ thread still joinable when static
+    # objects were destroyed; 2026-11-27, torch 2.13), failing a run whose result was complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -364,16 +364,36 @@ def _pinned_staging() -> bool:
 HOST_SHARE = 0.7
 
 
+# A memory cgroup's limit and usage (v2, then v1), read where the process runs in one (a
+# container, a Slurm job): MemAvailable is the whole host's.
+_CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
 def _available_host_bytes() -> int | None:
-    """This node's MemAvailable (Linux), or None where it cannot be read."""
+    """The memory this node's processes can still take: MemAvailable (Linux), or less where a
+    memory cgroup's limit leaves less; None where neither can be read."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    for limit_file, usage_file in _CGROUP_MEMORY:
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit, usage = int(f.read()), int(g.read())  # "max" (no limit): ValueError
+        except (OSError, ValueError):
+            continue
+        if limit < 2**60:  # v1 writes "no limit" as a number near 2**63
+            room = max(limit - usage, 0)
+            avail = room if avail is None else min(avail, room)
+        break
+    return avail
 
 
 def _host_bytes(state: dict) -> int:
@@ -412,6 +432,8 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._writer = None  # the async saves' one writer (and its host buffers)
         self._async: bool | None = None  # periodic saves in the background (use_async)
+        self._host = None  # (state dict, buffer): the pinned buffers before the first async save
+        self._buffers_s: float | None = None  # the time making them took
         if cfg.async_save:
             import torch.distributed.checkpoint as dcp
 
@@ -425,9 +447,9 @@ class CheckpointManager:
     def use_async(self, state: dict) -> bool:
         """Whether periodic saves are written in the background: checkpoint.async_save, or
         with null (the default) where there is a GPU and torch has DCP's async_save. Decided
-        at the first periodic save, collectively: on a GPU the pinned host buffers take as much
-        host memory as the rank's state, so where this node's ranks would need more than
-        HOST_SHARE of its available memory, saves stay synchronous, said in one warning."""
+        at the first periodic save, on every rank alike (collective). On a GPU that is where
+        the pinned host buffers are made (_prepare_host_buffers); where they cannot be, saves
+        stay synchronous, said in one warning, with `true` as with null."""
         if self._async is None:
             import torch.distributed.checkpoint as dcp
 
@@ -435,24 +457,42 @@ class CheckpointManager:
             if wanted is None:
                 wanted = _pinned_staging() and hasattr(dcp, "async_save")
             if wanted and _pinned_staging():
-                need = _host_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-                have = _available_host_bytes()
-                fits = have is None or need <= HOST_SHARE * have
-                if self.world_size > 1:
-                    fits = all(ddist.all_gather_object(fits))
-                if not fits:
-                    log.warning(
-                        "checkpoints are written synchronously: async saves would pin %.2f GiB "
-                        "of host memory on this node (its ranks' state) and %s GiB are "
-                        "available (at most %d%% used for them); set checkpoint.async_save=false "
-                        "to silence this",
-                        need / 1024**3,
-                        "?" if have is None else f"{have / 1024**3:.2f}",
-                        int(HOST_SHARE * 100),
-                    )
-                wanted = fits
+                wanted = self._prepare_host_buffers(state)
             self._async = bool(wanted)
         return self._async
+
+    def _prepare_host_buffers(self, state: dict) -> bool:
+        """Make the pinned buffers async saves stage into, where this node's ranks' state fits
+        in HOST_SHARE of its available memory; False on every rank if on any it does not, or
+        pinning failed there. Collective."""
+        need = _host_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        have = _available_host_bytes()
+        why = None
+        if have is not None and need > HOST_SHARE * have:
+            why = (
+                f"async saves would pin {need / 1024**3:.2f} GiB of host memory on this node "
+                f"(its ranks' state) and {have / 1024**3:.2f} GiB are available (at most "
+                f"{int(HOST_SHARE * 100)}% used for them)"
+            )
+        else:
+            t0 = time.perf_counter()
+            try:
+                self._host = host_buffers(state, pin=True)
+            except RuntimeError as e:  # cudaHostRegister refused
+                why = f"the host buffers of async saves could not be pinned ({e})"
+            self._buffers_s = time.perf_counter() - t0
+        whys = ddist.all_gather_object(why) if self.world_size > 1 else [why]
+        first = next(((r, w) for r, w in enumerate(whys) if w), None)
+        if first is not None:
+            self._host = None
+            log.warning(
+                "checkpoints are written synchronously: %s%s; set checkpoint.async_save=false "
+                "to silence this",
+                f"rank {first[0]}: " if self.world_size > 1 else "",
+                first[1],
+            )
+            return False
+        return True
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
@@ -536,11 +576,14 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
             pinned = _pinned_staging()
             self._writer = _storage_writer(partial, step, keep_host_buffers=pinned)
-            if pinned:  # the writer's cache, made here in one page-locked allocation
-                t0 = time.perf_counter()
-                cache, self._writer.host_buffer = host_buffers(state, pin=True)
+            if pinned:  # the writer's cache: one page-locked allocation (use_async made it)
+                if self._host is None:  # called without use_async
+                    t0 = time.perf_counter()
+                    self._host = host_buffers(state, pin=True)
+                    self._buffers_s = time.perf_counter() - t0
+                (cache, self._writer.host_buffer), self._host = self._host, None
                 self._writer.state_dict_cache = cache
-                buffers_s = time.perf_counter() - t0
+                buffers_s, self._buffers_s = self._buffers_s, None
                 log.info(
                     "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
                     "%.1f s) hold the state being written, for the rest of the run",

@@ -135,9 +135,10 @@ class CheckpointConfig:
     overwrite_newer: bool = False
     # Periodic saves written in the background (torch.distributed.checkpoint.async_save): the
     # loop waits only for the copy of the state to host memory (pinned buffers kept for the
-    # run). null: on with CUDA, where those buffers fit in the node's memory (at 8b under fsdp
+    # run). null: on with CUDA, off on CPU; on CUDA (true too) only where those buffers fit in
+    # the node's memory and can be pinned, else synchronous with one warning (at 8b under fsdp
     # on 2x H200 a save stalled the loop 19.8 s, 18.7 of them making the buffers once, against
-    # 169 s synchronous; docs/benchmarks.md), else off.
+    # 169 s synchronous; docs/benchmarks.md).
     async_save: bool | None = None
 
 

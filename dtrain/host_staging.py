@@ -87,8 +87,10 @@ def host_buffers(state: dict, *, pin: bool) -> tuple[dict, torch.Tensor]:
     def mirror(obj):
         if isinstance(obj, dict):
             return {k: mirror(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(mirror(v) for v in obj)
+        if isinstance(obj, list):
+            return [mirror(v) for v in obj]
+        if isinstance(obj, tuple):  # a plain tuple, namedtuples too, as DCP's own copy makes
+            return tuple(mirror(v) for v in obj)
         if not isinstance(obj, torch.Tensor):
             return obj
         if _is_dtensor(obj):

@@ -74,3 +74,34 @@ def test_host_buffers_stage_an_fsdp_state_as_dcp_would(tmp_path):
     res = torchrun_script(script, str(tmp_path / "ckpt"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("OK") == 2
+
+
+def test_host_buffers_mirror_every_kind_of_value_as_dcp_does():
+    import collections
+
+    import torch
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.utils._pytree import tree_flatten
+
+    from dtrain.host_staging import host_buffers
+
+    Pair = collections.namedtuple("Pair", "a b")
+    state = {
+        "w": torch.randn(3, 5),
+        "step": torch.tensor(7.0),  # 0-dim: a small tensor of its own
+        "empty": torch.zeros(0, 4),
+        "nested": [torch.arange(6, dtype=torch.int64), ("x", 2, None)],
+        "pair": Pair(torch.ones(2, dtype=torch.bfloat16), 1.5),
+    }
+    mine, flat = host_buffers(state, pin=False)
+    a, spec_a = tree_flatten(mine)
+    b, spec_b = tree_flatten(_create_cpu_state_dict(state))
+    assert spec_a == spec_b
+    for x, y in zip(a, b):
+        assert type(x) is type(y)
+        if isinstance(x, torch.Tensor):
+            assert (x.shape, x.dtype) == (y.shape, y.dtype)
+    assert flat.numel() == 64 + 64 + 64  # w (60 B), arange (48 B), pair.a (4 B): 64 B apart
+    _copy_state_dict(state, mine)
+    assert torch.equal(mine["w"], state["w"]) and mine["step"].item() == 7.0
+    assert torch.equal(mine["nested"][0], state["nested"][0])

@@ -10,21 +10,25 @@ row's bytes go one per row of the transposed output: uncoalesced writes. In the 
 under fp8 against 0.19 ms under bf16, 56 ms of a 718 ms step, and the SwiGLU backward 12 ms
 more than bf16's.
 
-`transposes_apart`, a post-grad graph pass that `apply_fp8` installs, replaces every such copy
+`TransposesApart`, a post-grad graph pass that `apply_fp8` installs, replaces every such copy
 of a contiguous 2-D fp8 tensor with `dtrain::fp8_transpose`, an op Inductor cannot fuse: the
 producer then writes only the row-major fp8 tensor it writes anyway (the grad-input GEMM reads
 it), coalesced, and the op transposes it in one tiled pass (a byte read and a byte written per
-element; dtrain/lowp/transpose_triton.py). Data movement only: the results are the same bits.
+element; dtrain/lowp/transpose_triton.py). Data movement only: on CPU a compiled step gives
+the same bits with it as without; on a GPU the kernels around it may fuse differently, so the
+results agree to rounding (tests/gpu/test_fp8_and_staging.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+log = logging.getLogger("dtrain")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernel on CPU (tests)
 
@@ -50,7 +54,9 @@ def _transposed_source(node: fx.Node) -> fx.Node | None:
     aten = torch.ops.aten
     if node.op != "call_function" or node.target is not aten.clone.default:
         return None
-    if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+    # Only an explicit contiguous copy (torchao asks for one): a clone without it keeps its
+    # input's layout, which the op's contiguous output would not.
+    if node.kwargs.get("memory_format") is not torch.contiguous_format:
         return None
     perm = node.args[0]
     if not (isinstance(perm, fx.Node) and perm.target is aten.permute.default):
@@ -65,39 +71,42 @@ def _transposed_source(node: fx.Node) -> fx.Node | None:
 
 
 class TransposesApart(CustomGraphPass):
-    """The post-grad pass (module docstring). Runs after any pass that was installed before."""
-
-    def __init__(self, then=None):
-        self.then = then  # a pass someone else installed: still runs, after this one
+    """The post-grad pass (module docstring)."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        replaced = 0
         for node in list(graph.nodes):
             src = _transposed_source(node)
             if src is None:
                 continue
+            perm = node.args[0]
             with graph.inserting_before(node):
                 new = graph.call_function(torch.ops.dtrain.fp8_transpose.default, (src,))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            replaced += 1
-        if replaced:
-            graph.eliminate_dead_code()
-        if self.then is not None:
-            self.then(graph)
+            if not perm.users:  # only what this pass orphaned: Inductor runs no general DCE here
+                graph.erase_node(perm)
 
     def uuid(self):  # Inductor's FX graph cache keys on this
-        later = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
-        return (get_hash_for_files((__file__,)), later)
+        return get_hash_for_files((__file__,))
 
 
 def install_transposes_apart() -> None:
     """Install the pass for every graph Inductor compiles in this process (idempotent). It
-    touches only transposed copies of fp8 tensors, so other graphs are unchanged."""
+    touches only transposed copies of fp8 tensors, so other graphs are unchanged. Where another
+    post-grad pass is installed already it is left alone, and so are the transposes (said once
+    in the log): chaining passes of unknown kinds could make Inductor's cache serve graphs
+    compiled under another pass."""
     import torch._inductor.config as inductor_config
 
     current = inductor_config.post_grad_custom_post_pass
     if isinstance(current, TransposesApart):
         return
-    inductor_config.post_grad_custom_post_pass = TransposesApart(then=current)
+    if current is not None:
+        log.warning(
+            "fp8: another Inductor post-grad pass is installed (%r); the weight-gradient "
+            "transposes stay fused by Inductor (dtrain/lowp/fp8_layout.py)",
+            current,
+        )
+        return
+    inductor_config.post_grad_custom_post_pass = TransposesApart()

@@ -9,6 +9,8 @@ runtime bookkeeping (torch 2.11, H200, 2026-11-27).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -18,18 +20,25 @@ _BLOCK = 64  # 64 x 64 bytes a tile: each row of a tile is one 64-byte load or s
 
 @triton.jit
 def _transpose_kernel(src, dst, M, N, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # One program per tile, the tiles numbered along a 1-D grid (axis 0 takes 2**31 - 1
+    # programs; axes 1 and 2 only 65,535).
+    tiles_n = tl.cdiv(N, BLOCK)
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // tiles_n) * BLOCK + tl.arange(0, BLOCK)
+    cols = (pid % tiles_n) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tile = tl.load(src + rows[:, None] * N + cols[None, :], mask=mask)
     tl.store(dst + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
 def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
-    """x (M, N), contiguous, 1 byte an element -> x.t() contiguous, a new tensor."""
+    """x (M, N), 1 byte an element -> x.t() contiguous, a new tensor. The kernel reads x
+    row-major: any other layout is made contiguous first (in compiled graphs it already is)."""
+    x = x.contiguous()
     m, n = x.shape
     out = torch.empty((n, m), dtype=x.dtype, device=x.device)
     if x.numel():
-        grid = (triton.cdiv(m, _BLOCK), triton.cdiv(n, _BLOCK))
-        _transpose_kernel[grid](x.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK=_BLOCK)
+        grid = (triton.cdiv(m, _BLOCK) * triton.cdiv(n, _BLOCK),)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _transpose_kernel[grid](x.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK=_BLOCK)
     return out

@@ -268,6 +268,10 @@ def test_torch_without_async_save_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def _refuse_pinning(flat):
+    raise RuntimeError("cudaHostRegister of 0.00 GiB failed (2)")
+
+
 @pytest.mark.parametrize("host_gib", [1024.0, 0.001], ids=["fits", "does-not-fit"])
 def test_async_by_default_on_a_gpu_where_host_memory_holds_the_buffers(
     host_gib, tmp_path, monkeypatch, capfd
@@ -288,3 +292,23 @@ def test_async_by_default_on_a_gpu_where_host_memory_holds_the_buffers(
 def test_async_is_off_by_default_without_a_gpu(tmp_path):
     train(tmp_path, *EVERY_4)
     assert [r["async"] for r in checkpoint_records(tmp_path)] == [False, False]
+
+
+def test_async_saves_fall_back_to_sync_where_pinning_fails(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(host_staging, "_pin", _refuse_pinning)
+    train(tmp_path, *EVERY_4, ASYNC)  # asked for explicitly: still nothing pinned, nothing lost
+    assert [r["async"] for r in checkpoint_records(tmp_path)] == [False, False]
+    out, err = capfd.readouterr()
+    assert (out + err).count("could not be pinned") == 1
+
+
+def test_available_host_memory_is_the_cgroups_where_it_is_less(tmp_path, monkeypatch):
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    monkeypatch.setattr(ckpt_mod, "_CGROUP_MEMORY", ((str(limit), str(usage)),))
+    limit.write_text("max\n")  # no limit: the host's MemAvailable
+    usage.write_text(str(5 * 2**30))
+    host = ckpt_mod._available_host_bytes()
+    assert host is not None and host > 0
+    limit.write_text(str(6 * 2**30))  # a 6 GiB limit with 5 used: 1 GiB left
+    assert ckpt_mod._available_host_bytes() == min(host, 2**30)
