@@ -78,12 +78,13 @@ def launch(*args: str, nproc: int = 1, timeout: float = 600, env_extra: dict | N
 
 def torchrun_script(script: Path, *args: str, timeout: float = 600):
     """Run a test's worker script on 2 ranks (torchrun --standalone, gloo on CPU) to the end;
-    returns the CompletedProcess."""
+    returns the CompletedProcess. Each rank runs it through tests/exit_after.py, which leaves
+    without the interpreter's teardown once the script is done."""
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     return subprocess.run(
-        [*cmd, str(script), *args],
+        [*cmd, str(ROOT / "tests" / "exit_after.py"), str(script), *args],
         capture_output=True,
         text=True,
         env=cli_env(),

@@ -7,7 +7,6 @@ crashed on 2x H100 before clip_and_step made it one tensor). Writes rank{r}.txt 
 the losses, the overflow count and the loss scale.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -48,9 +47,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown: bare fully_shard scripts on gloo aborted there
-    # now and then after their work was done ("terminate called without an active
-    # exception", no Python frame left; 2026-11-27, torch 2.13; bench/plain_loop.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

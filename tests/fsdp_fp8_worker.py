@@ -9,7 +9,6 @@ after the hooked run, and whether both runs ended on the same weights bit for bi
 and the cast are the ones the forward would compute, and a stale cache would change step 2).
 """
 
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -81,9 +80,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown: bare fully_shard scripts on gloo aborted there
-    # now and then after their work was done ("terminate called without an active
-    # exception", no Python frame left; 2026-11-27, torch 2.13; bench/plain_loop.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -63,9 +63,3 @@ def main(out_dir: Path, hf_dir: Path) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(Path(sys.argv[1]), Path(sys.argv[2]))
-    # Leave without the interpreter's teardown: bare fully_shard scripts on gloo aborted there
-    # now and then after their work was done ("terminate called without an active
-    # exception", no Python frame left; 2026-11-27, torch 2.13; bench/plain_loop.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
