@@ -475,12 +475,10 @@ class CheckpointManager:
                 f"{int(HOST_SHARE * 100)}% used for them)"
             )
         else:
-            t0 = time.perf_counter()
             try:
-                self._host = host_buffers(state, pin=True)
+                self._pin_host_buffers(state)
             except RuntimeError as e:  # cudaHostRegister refused
                 why = f"the host buffers of async saves could not be pinned ({e})"
-            self._buffers_s = time.perf_counter() - t0
         whys = ddist.all_gather_object(why) if self.world_size > 1 else [why]
         first = next(((r, w) for r, w in enumerate(whys) if w), None)
         if first is not None:
@@ -493,6 +491,11 @@ class CheckpointManager:
             )
             return False
         return True
+
+    def _pin_host_buffers(self, state: dict) -> None:
+        t0 = time.perf_counter()
+        self._host = host_buffers(state, pin=True)
+        self._buffers_s = time.perf_counter() - t0
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
@@ -578,9 +581,7 @@ class CheckpointManager:
             self._writer = _storage_writer(partial, step, keep_host_buffers=pinned)
             if pinned:  # the writer's cache: one page-locked allocation (use_async made it)
                 if self._host is None:  # called without use_async
-                    t0 = time.perf_counter()
-                    self._host = host_buffers(state, pin=True)
-                    self._buffers_s = time.perf_counter() - t0
+                    self._pin_host_buffers(state)
                 (cache, self._writer.host_buffer), self._host = self._host, None
                 self._writer.state_dict_cache = cache
                 buffers_s, self._buffers_s = self._buffers_s, None

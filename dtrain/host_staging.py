@@ -39,15 +39,9 @@ def _needs_room(t: torch.Tensor) -> bool:
     return t.dim() > 0 and local.numel() > 0
 
 
-def _tensors(state):
-    if isinstance(state, dict):
-        for v in state.values():
-            yield from _tensors(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from _tensors(v)
-    elif isinstance(state, torch.Tensor):
-        yield state
+def _room(nbytes: int) -> int:
+    """Bytes a view of `nbytes` takes in the buffer: the next one starts _ALIGN-aligned."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _pin(flat: torch.Tensor) -> None:
@@ -66,12 +60,10 @@ def host_buffers(state: dict, *, pin: bool) -> tuple[dict, torch.Tensor]:
     the caller keeps it as long as the copy is used. Tensors become views into the buffer;
     DTensors keep their mesh and placements around a host local tensor; other values are kept
     as they are."""
-    sizes = []
-    for t in _tensors(state):
-        if _needs_room(t):
-            local = _local(t)
-            sizes.append(-(-local.numel() * local.element_size() // _ALIGN) * _ALIGN)
-    total = sum(sizes)
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor) and _needs_room(t)]
+    total = sum(_room(_local(t).nbytes) for t in tensors)
     flat = torch.empty(total, dtype=torch.uint8)
     if pin and total:
         _pin(flat)
@@ -79,9 +71,8 @@ def host_buffers(state: dict, *, pin: bool) -> tuple[dict, torch.Tensor]:
 
     def view(local: torch.Tensor) -> torch.Tensor:
         nonlocal offset
-        n = local.numel() * local.element_size()
-        out = flat[offset : offset + n].view(local.dtype).view(local.shape)
-        offset += -(-n // _ALIGN) * _ALIGN
+        out = flat[offset : offset + local.nbytes].view(local.dtype).view(local.shape)
+        offset += _room(local.nbytes)
         return out
 
     def mirror(obj):
