@@ -4,6 +4,9 @@
 # predicted from the datasheet and from the profile.
 #   OUT=/tmp/out bash bench/plan_validate.sh
 #   OUT=/tmp/out MODELS=1b PRECS=bf16 STEPS=20 bash bench/plan_validate.sh
+#   OUT=/tmp/out MODELS=1b STRATEGIES=single,ddp,fsdp,zero2 bash bench/plan_validate.sh
+#       (8 points, bf16 and fp8: zero2 and fp8 under ddp were never scored; estimated to fit
+#       one 10-minute device call, not yet run)
 set -uo pipefail
 source bench/common.sh
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -16,6 +19,7 @@ else
   python3 -m dtrain.cli.calibrate out=$OUT/profile.json seconds=30 2>&1 | tail -12
 fi
 python3 bench/plan_validate.py --out /tmp/runs/pv --models ${MODELS:-1b,8b} \
-  --precisions ${PRECS:-bf16,fp8} --nprocs ${NPROCS:-$NP} --steps ${STEPS:-30} \
+  --precisions ${PRECS:-bf16,fp8} --strategies ${STRATEGIES:-single,ddp,fsdp,zero2,zero3} \
+  --nprocs ${NPROCS:-$NP} --steps ${STEPS:-30} \
   --profile $OUT/profile.json
 cp /tmp/runs/pv/plan_validate.md /tmp/runs/pv/plan_validate.json $OUT/ 2>/dev/null
