@@ -45,7 +45,10 @@ PICK_BAND = 0.05  # the plan's first pick within 5% of the fastest measured
 
 
 def grid(models: str, strategies: str, precisions: str, nprocs: str) -> list[dict]:
-    """single on one GPU, the multi-rank strategies on more."""
+    """single on one GPU, the multi-rank strategies on more; each strategy with the precisions
+    it declares (DeepSpeed's take no fp8 or int8: a run would only stop on the config error)."""
+    from dtrain.strategies import STRATEGIES
+
     points = []
     for model in models.split(","):
         for nproc in (int(n) for n in nprocs.split(",")):
@@ -53,6 +56,8 @@ def grid(models: str, strategies: str, precisions: str, nprocs: str) -> list[dic
                 if (strategy == "single") != (nproc == 1):
                     continue
                 for precision in precisions.split(","):
+                    if precision not in STRATEGIES[strategy].precisions:
+                        continue
                     points.append(
                         {
                             "model": model,

@@ -346,6 +346,29 @@ def test_compare_shows_predicted_beside_measured(tmp_path):
     assert s.final()["speed_prediction_error_pct"] == pytest.approx(25)
 
 
+def test_validation_grid_runs_each_strategy_in_the_precisions_it_takes():
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plan_validate import grid
+
+    points = {
+        (p["strategy"], p["precision"], p["nproc"])
+        for p in grid("1b", "single,ddp,fsdp,zero2", "bf16,fp8", "1,2")
+    }
+    assert points == {
+        ("single", "bf16", 1),
+        ("single", "fp8", 1),
+        ("ddp", "bf16", 2),
+        ("ddp", "fp8", 2),
+        ("fsdp", "bf16", 2),
+        ("fsdp", "fp8", 2),
+        ("zero2", "bf16", 2),  # DeepSpeed takes no fp8: that run would only stop on the error
+    }
+
+
 def test_validation_summary_counts_hits_and_picks():
     import sys
 
