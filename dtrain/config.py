@@ -286,8 +286,11 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return _type_name(type(typing.get_args(tp)[0]))
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if args:
-        return " or ".join(_type_name(a) for a in args)
+    if args:  # an optional key names null too: it is one of the valid choices
+        names = [_type_name(a) for a in args] + (
+            ["null"] if len(args) < len(typing.get_args(tp)) else []
+        )
+        return " or ".join(names)
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )

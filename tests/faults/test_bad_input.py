@@ -33,6 +33,10 @@ CATALOGUE = [
     # wrong types
     (["trainer.seq_len=1.5"], "trainer.seq_len must be an integer, got 1.5"),
     (["trainer.progress_bar=maybe"], "trainer.progress_bar must be true/false, got 'maybe'"),
+    (
+        ["checkpoint.async_save=maybe"],  # optional: null is one of the valid choices
+        "checkpoint.async_save must be true/false or null, got 'maybe'",
+    ),
     (["optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
     (["model.n_layer=[1,2]"], "model.n_layer must be an integer, got [1, 2]"),
     (["trainer.stop_signals=SIGTERM"], "trainer.stop_signals must be a list, got 'SIGTERM'"),
