@@ -10,7 +10,8 @@
 #   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise)
-# PRECS lists the precisions (default: bf16 fp8); EXTRA adds more to fsdp8b and single1b.
+# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused, fp16);
+# EXTRA adds more to fsdp8b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -24,20 +25,26 @@ fsdp8b() {  # $1 = result name, then overrides
 }
 # A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
 # fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
-# dtrain/lowp/fp8_layout.py), set through the environment by fp8env.
+# dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
+# every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env).
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   fp8fused) echo "precision=fp8" ;;
+  int8apart) echo "precision=int8" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
+int8env() { case $1 in int8apart) echo apart ;; *) echo fused ;; esac; }
+# Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
+with_env() { local p=$1; shift
+  DTRAIN_FP8_TRANSPOSE=$(fp8env $p) DTRAIN_INT8_QUANTIZE=$(int8env $p) "$@"; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"
 }
 case "${1:-}" in
   fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
-      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) fsdp8b fsdp8b_$p $(prec $p); done ;;
+      with_env $p fsdp8b fsdp8b_$p $(prec $p); done ;;
   single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
-      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) single1b single1b_$p $(prec $p); done ;;
+      with_env $p single1b single1b_$p $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
@@ -46,7 +53,7 @@ case "${1:-}" in
   profile8b|profile1b)
     run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
     for p in ${PRECS:-bf16 fp8}; do
-      DTRAIN_FP8_TRANSPOSE=$(fp8env $p) $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
+      with_env $p $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
   *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2

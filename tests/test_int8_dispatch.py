@@ -23,6 +23,7 @@ CUDA = torch.device("cuda", 0)
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(i8.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(i8.QUANTIZE_ENV, raising=False)
     monkeypatch.setattr(i8, "_LOGGED", set())  # each test sees its own first log line
 
 
@@ -100,6 +101,32 @@ def test_forcing_triton_on_cpu_stays_portable_and_bad_values_are_config_errors(m
         i8.select_kernel(CPU)
     with pytest.raises(ValueError, match="kernel='cutlass'"):
         i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), kernel="cutlass")
+
+
+def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch, caplog):
+    def swapped(kernel=None) -> nn.Module:
+        with torch.device("meta"):  # as FSDP builds it: the kernels are the (faked) GPU's
+            model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+        i8.apply_int8(model, lambda m, n: True, kernel=kernel)
+        return model
+
+    def placements(model) -> set[str]:
+        return {m.quantize for m in model}
+
+    fake_gpu(monkeypatch)
+    assert placements(swapped()) == {"fused"}  # the default
+    monkeypatch.setenv(i8.QUANTIZE_ENV, "apart")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        model = swapped()
+    assert placements(model) == {"apart"} and "quantize=apart" in repr(model[0])
+    assert any("int8 quantizes: the Triton op, apart" in r.getMessage() for r in caplog.records)
+    # torch._int_mm has no quantize op of its own: the choice does not apply to it
+    assert placements(swapped(kernel="torch")) == {"fused"}
+    monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
+    with pytest.raises(ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid; choose"):
+        swapped()
+    with pytest.raises(ValueError, match="quantize='sideways'"):
+        i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), quantize="sideways")
 
 
 def test_a_triton_layer_given_cpu_tensors_computes_the_portable_path(monkeypatch):

@@ -41,12 +41,14 @@ are swapped and logged in one line):
               Triton installed: int8 wgmma GEMMs with the dequantization (the outer product of
               the scales and the cast) fused into their epilogue, and, outside torch.compile,
               a fused quantize kernel (under torch.compile Inductor fuses the quantize into the
-              producer of its input instead). Same numbers as "torch": the integer products are
+              producer of its input instead, unless DTRAIN_INT8_QUANTIZE=apart keeps the
+              kernel there too). Same numbers as "torch": the integer products are
               exact and the fp32 dequantization is the same operations in the same order.
     "torch"   torch._int_mm plus eager (or Inductor-fused) dequantization: portable (CPU, any
               CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
 
 DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
+DTRAIN_INT8_QUANTIZE=fused|apart (default fused) says where the quantizes run under compile.
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ GRAD_WEIGHT_MODES = ("int8", "bf16")
 # (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")
 KERNEL_ENV = "DTRAIN_INT8_KERNEL"
+# Where each quantize runs under torch.compile with the Triton kernels: "fused" (Inductor fuses
+# it into the kernel that produces its input) or "apart" (the Triton quantize op, a kernel of
+# its own). QUANTIZE_ENV sets it, for A/B runs: in the ninth session's 1b trace the fusion turned
+# pointwise producers into row reductions (the SwiGLU backward with w1's and w3's gradient
+# quantize took 0.72 ms a block, 0.22 ms without it), which "apart" leaves pointwise at the cost
+# of one more read of each quantized tensor.
+QUANTIZE_MODES = ("fused", "apart")
+QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
 # Triton's interpreter runs the Triton kernels on CPU tensors (CPU tests of the kernels).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -204,11 +214,24 @@ def _triton_applies(t: torch.Tensor) -> bool:
     return t.is_cuda or _INTERPRET
 
 
-def _quantize(x: torch.Tensor, kernel: str, col_scale: torch.Tensor | None = None):
+def quantize_mode() -> str:
+    """QUANTIZE_ENV's choice ("fused" when unset); a bad value is a ConfigError naming both."""
+    mode = os.environ.get(QUANTIZE_ENV, "").strip().lower() or "fused"
+    if mode not in QUANTIZE_MODES:
+        raise ConfigError(
+            f"{QUANTIZE_ENV}={mode!r} is not valid; choose {' or '.join(QUANTIZE_MODES)}"
+        )
+    return mode
+
+
+def _quantize(
+    x: torch.Tensor, kernel: str, col_scale: torch.Tensor | None = None, apart: bool = False
+):
     """quantize_rowwise(x * col_scale) (col_scale (C,) multiplies x's columns; None: x) with the
-    chosen kernels. Under torch.compile the eager code is traced: Inductor fuses it into the
-    producer of x, which an opaque Triton kernel would prevent."""
-    if kernel == "triton" and _triton_applies(x) and not torch.compiler.is_compiling():
+    chosen kernels. Under torch.compile the eager code is traced, so that Inductor fuses it into
+    the producer of x, which the opaque Triton op would prevent; unless `apart` (QUANTIZE_ENV)."""
+    compiled = torch.compiler.is_compiling()
+    if kernel == "triton" and _triton_applies(x) and (apart or not compiled):
         return _triton_ops().quantize_rowwise(x, col_scale)
     if col_scale is not None:
         x = x.float() * col_scale.reshape(1, -1)
@@ -245,11 +268,11 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel):
+    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, apart):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        xq, xs = _quantize(x2, kernel)  # (M, K) int8, (M, 1)
-        wq, ws = _quantize(weight, kernel)  # (N, K) int8, (N, 1)
+        xq, xs = _quantize(x2, kernel, apart=apart)  # (M, K) int8, (M, 1)
+        wq, ws = _quantize(weight, kernel, apart=apart)  # (N, K) int8, (N, 1)
         y = _scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype, kernel)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -257,23 +280,24 @@ class _Int8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
+        ctx.apart = apart
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         xq, xs, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        kernel = ctx.kernel
+        kernel, apart = ctx.kernel, ctx.apart
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gq, gs = _quantize(g, kernel)  # per token, over N
-            wtq, wts = _quantize(weight.t(), kernel)  # (K, N): per input channel, over N
+            gq, gs = _quantize(g, kernel, apart=apart)  # per token, over N
+            wtq, wts = _quantize(weight.t(), kernel, apart=apart)  # (K, N): per input channel
             grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.x_dtype, kernel)
             grad_x = grad_x.view(ctx.x_shape)
         if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
             # Fold the per-token input scales into dy (see the module docstring), then
             # quantize per output channel over the tokens: (N, M) int8, (N, 1).
-            gtq, gts = _quantize(g.t(), kernel, col_scale=xs)
+            gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart)
             xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
             grad_w = _scaled_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype, kernel)  # (N, K)
         elif ctx.needs_input_grad[1]:
@@ -283,7 +307,7 @@ class _Int8LinearFn(torch.autograd.Function):
             grad_w = torch.mm(g.to(ctx.out_dtype).t(), x_deq).to(weight.dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _check_grad_weight(grad_weight: str) -> None:
@@ -303,18 +327,23 @@ def int8_linear(
     *,
     grad_weight: str = "int8",
     kernel: str = "torch",
+    quantize: str = "fused",
 ) -> torch.Tensor:
     """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
 
     `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
     compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
-    (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm).
+    (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
+    under torch.compile with "triton", "fused" into the producer or "apart" (QUANTIZE_MODES).
     """
     _check_grad_weight(grad_weight)
     _check_kernel(kernel)
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize={quantize!r}; choose one of {QUANTIZE_MODES}")
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel)
+    apart = quantize == "apart"
+    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel, apart)
 
 
 class Int8Linear(nn.Linear):
@@ -325,14 +354,23 @@ class Int8Linear(nn.Linear):
     # Plain attributes (set per instance by apply_int8): torch.compile treats them as constants.
     grad_weight: str = "int8"
     kernel: str = "torch"
+    quantize: str = "fused"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(
-            x, self.weight, self.bias, grad_weight=self.grad_weight, kernel=self.kernel
+            x,
+            self.weight,
+            self.bias,
+            grad_weight=self.grad_weight,
+            kernel=self.kernel,
+            quantize=self.quantize,
         )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, grad_weight={self.grad_weight}, kernel={self.kernel}"
+        return (
+            f"{super().extra_repr()}, grad_weight={self.grad_weight}, kernel={self.kernel}, "
+            f"quantize={self.quantize}"
+        )
 
 
 def apply_int8(
@@ -354,13 +392,19 @@ def apply_int8(
         kernel, why = select_kernel(_default_device(module))
         _log_choice(kernel, why)
     _check_kernel(kernel)
+    # Read here, once, where a bad value stops the run before it starts (and only the Triton
+    # kernels have a quantize op to keep apart).
+    quantize = quantize_mode() if kernel == "triton" else "fused"
     if kernel == "triton":
         _triton_ops()  # import (and register the ops) now, not inside a compiled region
+        if quantize == "apart":
+            log.info("int8 quantizes: the Triton op, apart from their producers (%s)", QUANTIZE_ENV)
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
             m.__class__ = Int8Linear
             m.grad_weight = grad_weight
             m.kernel = kernel
+            m.quantize = quantize
             n += 1
     return n

@@ -185,11 +185,14 @@ def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight):
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-5, atol=0)
 
 
-def test_compiled_training_steps_match_the_portable_path():
-    """torch.compile: Triton GEMMs (opaque custom ops) and Inductor's fused quantize, against
-    the eager portable path: close, not equal (Inductor fuses the quantize into its producer
-    without rounding that to bf16 first, and divides with its own rounding: the int8 values
-    move by one step here and there, about the size of int8's own rounding)."""
+@pytest.mark.parametrize("quantize", ["fused", "apart"])
+def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
+    """torch.compile: Triton GEMMs (opaque custom ops) and Inductor's fused quantize (or, with
+    DTRAIN_INT8_QUANTIZE=apart, the Triton quantize op), against the eager portable path:
+    close, not equal (Inductor fuses the quantize into its producer without rounding that to
+    bf16 first, and divides with its own rounding: the int8 values move by one step here and
+    there, about the size of int8's own rounding)."""
+    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
     torch._dynamo.reset()
     ref, tri = _mlp(), _mlp()
     i8.apply_int8(ref, lambda m, n: True, grad_weight="bf16", kernel="torch")
