@@ -392,9 +392,10 @@ def apply_int8(
         kernel, why = select_kernel(_default_device(module))
         _log_choice(kernel, why)
     _check_kernel(kernel)
-    # Read here, once, where a bad value stops the run before it starts (and only the Triton
-    # kernels have a quantize op to keep apart).
-    quantize = quantize_mode() if kernel == "triton" else "fused"
+    # Read here, once, where a bad value stops the run before it starts; only the Triton
+    # kernels have a quantize op to keep apart.
+    quantize = quantize_mode()
+    quantize = quantize if kernel == "triton" else "fused"
     if kernel == "triton":
         _triton_ops()  # import (and register the ops) now, not inside a compiled region
         if quantize == "apart":
