@@ -1,0 +1,69 @@
+"""bench/trace_summary.py --waits on a crafted trace: the compute stream's gaps by cause, the
+host's syncs with the operator they ran under, and the launch lag."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from trace_summary import waits, waits_markdown  # noqa: E402
+
+
+def kernel(tid, ts, dur, name, corr):
+    return {
+        "cat": "kernel",
+        "ph": "X",
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "name": name,
+        "args": {"correlation": corr},
+    }
+
+
+def runtime(ts, dur, name, corr=None, tid=1):
+    args = {} if corr is None else {"correlation": corr}
+    return {
+        "cat": "cuda_runtime",
+        "ph": "X",
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "name": name,
+        "args": args,
+    }
+
+
+def test_gaps_are_put_down_to_what_ended_them_and_syncs_to_their_operator():
+    events = [
+        kernel(7, 0, 1000, "nvjet_gemm_a", 1),
+        kernel(7, 2000, 1000, "split_with_sizes_copy_out", 2),  # waited 1 ms for the gather
+        kernel(7, 3500, 500, "triton_poi_fused", 3),  # 0.5 ms: nothing ended, launched late
+        kernel(7, 4000, 100, "triton_poi_fused", 4),  # no gap
+        kernel(22, 500, 1480, "ncclDevKernel_AllGather_RING_LL", 5),  # ends 20 us before
+        runtime(-10, 5, "cudaLaunchKernel", 1),
+        runtime(1990, 5, "cudaLaunchKernel", 2),
+        runtime(3490, 5, "cudaLaunchKernel", 3),
+        runtime(100, 5, "cudaLaunchKernel", 4),
+        runtime(400, 5, "cudaLaunchKernel", 5),
+        {"cat": "cpu_op", "ph": "X", "tid": 1, "ts": 90, "dur": 1600, "name": "aten::to"},
+        {"cat": "cpu_op", "ph": "X", "tid": 1, "ts": 95, "dur": 1550, "name": "aten::copy_"},
+        runtime(100, 1500, "cudaStreamSynchronize"),
+        runtime(3000, 10, "cudaStreamSynchronize"),  # too short to list
+    ]
+    w = waits(events, steps=1)
+    gather = "nccl: ncclDevKernel_AllGather_RING_LL"
+    assert w["gaps_ms"] == pytest.approx({gather: 1.0, "the host (launched late)": 0.5})
+    assert w["gap_counts"] == {gather: 1, "the host (launched late)": 1}
+    assert w["syncs"] == [(0.1, 1.5, "cudaStreamSynchronize", "aten::to")]
+    # ten slices of the 4.1 ms window: kernel 1 (lag 10 us) in the first, kernel 2 (10 us) in
+    # the fifth, kernel 3 (10 us) in the ninth, kernel 4 (3.9 ms) in the last
+    lag = w["lag_ms_by_tenth"]
+    assert lag[0] == pytest.approx(0.01) and lag[-1] == pytest.approx(3.9)
+    assert lag[1] is None
+    md = waits_markdown(w, steps=1)
+    assert "1.5 ms per step" in md and "| 0.1 | 1.5 | cudaStreamSynchronize | aten::to |" in md
