@@ -1,8 +1,11 @@
-"""Run by tests/gpu/test_single_gpu.py: train through dtrain.train.run with CUDA's sync debug
+"""Run by tests/gpu/test_two_gpus.py: train through dtrain.train.run with CUDA's sync debug
 mode set to "error" from step FROM_STEP to the last step's report, so that any host-device
 sync in a step that is not logged (an .item(), a copy from pageable memory, a nonzero) raises.
 
-    python tests/gpu/sync_free_worker.py OVERRIDES...   (one process, a one-rank NCCL group)
+    torchrun --standalone --nproc_per_node=2 tests/gpu/sync_free_worker.py OVERRIDES...
+
+Two ranks, because the per-step stop vote (StopSignal.poll) only runs where there is more than
+one; the worker fails unless that vote ran under the strict mode.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from dtrain import train as loop
 from dtrain.config import compose
+from dtrain.preemption import StopSignal
 from dtrain.run.report import StepReport
 
 FROM_STEP = 3  # steps 1-3 compile and warm up; the ones after must not sync
@@ -21,12 +25,18 @@ FROM_STEP = 3  # steps 1-3 compile and warm up; the ones after must not sync
 def main(overrides: list[str]) -> None:
     cfg = compose(overrides)
     end = cfg.trainer.max_steps
-    one_step, step_done = loop.one_step, StepReport.step_done
+    one_step, step_done, poll = loop.one_step, StepReport.step_done, StopSignal.poll
+    strict_votes = []
 
     def strict_step(r, report, step, heartbeat):
         if step >= FROM_STEP:
             torch.cuda.set_sync_debug_mode("error")
         return one_step(r, report, step, heartbeat)
+
+    def counted_poll(self):
+        if self.distributed and torch.cuda.get_sync_debug_mode() == 2:  # 2: "error"
+            strict_votes.append(1)
+        return poll(self)
 
     def lenient_report(self, step, lr, grad_norm):
         if step == end or step % cfg.trainer.log_every == 0:  # a logged step syncs on purpose
@@ -34,7 +44,10 @@ def main(overrides: list[str]) -> None:
         return step_done(self, step, lr, grad_norm)
 
     loop.one_step, StepReport.step_done = strict_step, lenient_report
+    StopSignal.poll = counted_poll
     summary = loop.run(cfg)
+    if not strict_votes:
+        raise SystemExit("the stop vote never ran under the sync debug mode: nothing was tested")
     print("steps", summary["step"])
 
 

@@ -12,17 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, cli_env
-from tests.gpu.common import (
-    EAGER,
-    MEMORY_1B,
-    STEPS,
-    last,
-    losses,
-    merged,
-    record,
-    run,
-    shared_run,
-)
+from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run, shared_run
 
 pytestmark = pytest.mark.gpu
 
@@ -170,32 +160,3 @@ def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
     logged = max(m["peak_allocated_bytes"] for m in last(recs, "memory_per_rank"))
     assert abs(t["peak_allocated"] - logged) <= 0.02 * logged, (t["peak_allocated"], logged)
     assert t["at_peak"]["largest"] and all(x["where"] for x in t["at_peak"]["largest"])
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["strategy=fsdp", "precision=fp8"],  # compiled, as the 8b benchmarks run
-        ["strategy=fsdp", "precision=bf16", EAGER],
-        ["strategy=ddp", "precision=bf16", EAGER],
-    ],
-    ids=["fsdp-fp8-compiled", "fsdp-bf16", "ddp-bf16"],
-)
-def test_steps_between_logs_never_wait_for_the_gpu(overrides, tmp_path):
-    # A sync in every step (the stop-signal vote's flag, made by a copy from pageable memory,
-    # until 2026-11-28) let the GPU drain at each step's end, so every forward started with
-    # nothing queued and ran at the pace of the host's launches.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**cli_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    args = merged(*overrides, "trainer.max_steps=8", "trainer.log_every=1000")
-    args.append(f"hydra.run.dir={tmp_path / 'run'}")
-    worker = ROOT / "tests" / "gpu" / "sync_free_worker.py"
-    out = subprocess.run(
-        [sys.executable, str(worker), *args], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0 and "steps 8" in out.stdout, out.stderr[-3000:]

@@ -1,14 +1,27 @@
 """Two CUDA devices under NCCL: every strategy matches one GPU at the same global batch,
-resume is bit-exact, checkpoints move between fsdp and ZeRO-2 and between world sizes, and the
-memory prediction holds at 1b for every strategy."""
+resume is bit-exact, checkpoints move between fsdp and ZeRO-2 and between world sizes, the
+memory prediction holds at 1b for every strategy, and no step between logs waits for the GPU."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
-from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run, shared_run
+from tests.conftest import ROOT, cli_env
+from tests.gpu.common import (
+    EAGER,
+    MEMORY_1B,
+    STEPS,
+    last,
+    losses,
+    merged,
+    record,
+    run,
+    shared_run,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -158,3 +171,32 @@ def test_fsdp_gradients_take_the_memory_the_backward_frees(tmp_path_factory, tmp
     # What stays between reserved and allocated is the all-gather stream's pool and rounding.
     on = mem["true"]
     assert on["peak_reserved_bytes"] - on["peak_allocated_bytes"] < grads, on
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=fsdp", "precision=fp8"],  # compiled, as the 8b benchmarks run
+        ["strategy=fsdp", "precision=bf16", EAGER],
+        ["strategy=ddp", "precision=bf16", EAGER],
+    ],
+    ids=["fsdp-fp8-compiled", "fsdp-bf16", "ddp-bf16"],
+)
+def test_steps_between_logs_never_wait_for_the_gpu(overrides, tmp_path):
+    # A sync in every step (the stop-signal vote's flag, made by a copy from pageable memory,
+    # until 2026-11-28) let the GPU drain at each step's end, so every forward started with
+    # nothing queued and ran at the pace of the host's launches. The vote runs only with two
+    # ranks or more, hence two GPUs.
+    args = merged(*overrides, "trainer.max_steps=8", "trainer.log_every=1000", nproc=2)
+    args.append(f"hydra.run.dir={tmp_path / 'run'}")
+    worker = ROOT / "tests" / "gpu" / "sync_free_worker.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [*torchrun, str(worker), *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert out.returncode == 0 and "steps 8" in out.stdout, out.stderr[-3000:]
