@@ -7,8 +7,11 @@ instead of one all-reduce per linear in the next forward. This trains 3 steps wi
 weights carry a precomputed scale and a cached fp8 shard (lowp/fp8.install_cached_weight_cast)
 after the hooked run, and whether both runs ended on the same weights bit for bit (the scale
 and the cast are the ones the forward would compute, and a stale cache would change step 2).
+The hook casts every shard right after the step (lowp/fp8.precompute_fp8_scales): each cache
+must hold the scale just computed and the shard cast from the weights just updated.
 """
 
+import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +27,39 @@ from dtrain.precision import PRECISIONS  # noqa: E402
 from dtrain.strategies import build_strategy  # noqa: E402
 
 
+def assert_fresh(locals_) -> None:
+    """Every fp8 weight's cached shard is torchao's cast of its weight now, with its scale now."""
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    fp8 = [t for t in locals_ if isinstance(t, W)]
+    assert fp8 and all(hasattr(t, "_dtrain_fp8") for t in fp8)
+    for t in fp8:
+        scale, shard = t._dtrain_fp8
+        assert scale is t._precomputed_scale
+        ref = hp_tensor_and_scale_to_float8(t._tensor, scale, t._dtype)._data
+        assert torch.equal(shard.view(torch.uint8), ref.view(torch.uint8))
+
+
+@contextlib.contextmanager
+def gathers_seen():
+    """Records, for each fp8 weight all-gather, whether it sent the cached shard."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    installed, seen = W.fsdp_pre_all_gather, []
+
+    def spy(self, mesh):  # FSDP2 checks this signature
+        out = installed(self, mesh)
+        seen.append(out[0][0] is getattr(self, "_dtrain_fp8", (None, None))[1])
+        return out
+
+    W.fsdp_pre_all_gather = spy
+    try:
+        yield seen
+    finally:
+        W.fsdp_pre_all_gather = installed
+
+
 def train(env, cfg, hooked: bool):
     precision = replace(PRECISIONS["fp8"], fp8_emulate=True)
     s = build_strategy(cfg.strategy, precision, env)
@@ -34,18 +70,25 @@ def train(env, cfg, hooked: bool):
         s.post_step = None
     gen = torch.Generator().manual_seed(env.rank)
     locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
-    for _ in range(3):
+    for step in range(3):
         tok = torch.randint(0, 64, (2, 17), generator=gen)
-        s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        with gathers_seen() as seen:
+            s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        # After the first step every fp8 all-gather sends the shard cast after the step, and
+        # casts nothing itself (forward, and the backward's re-gathers of the blocks resharded).
+        assert len(seen) >= 4 * 7, len(seen)
+        assert all(seen) == (hooked and step > 0), (hooked, step, seen)
         cached = sum(hasattr(t, "_dtrain_fp8") for t in locals_)  # cast for this step's gathers
         s.clip_and_step(1e-2, 1.0)
-        # The step changed the weights: no shard cast from the old ones is left to be used.
-        assert not any(hasattr(t, "_dtrain_fp8") for t in locals_)
+        if hooked:  # the step changed the weights: every shard is cast again, from the new ones
+            assert_fresh(locals_)
     scaled = sum(getattr(t, "_precomputed_scale", None) is not None for t in locals_)
-    if hooked:  # loading weights (a resume) drops every cached shard too
+    if hooked:  # loading weights (a resume) casts every shard again, from the loaded ones
         s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        before = {id(t): t._dtrain_fp8[0] for t in locals_ if hasattr(t, "_dtrain_fp8")}
         s.load_state_dict(s.state_dict())
-        assert not any(hasattr(t, "_dtrain_fp8") for t in locals_)
+        assert all(t._dtrain_fp8[0] is not before[id(t)] for t in locals_ if id(t) in before)
+        assert_fresh(locals_)
         s.optimizer.zero_grad(set_to_none=True)
     weights = {
         k: v.full_tensor().clone()

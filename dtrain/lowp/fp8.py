@@ -69,33 +69,45 @@ def _cast(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (hp.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
 
 
-_compiled_cast = None
+def _cast_all(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype):
+    return [_cast(hp, scale, dtype) for hp, scale in zip(hps, scales, strict=True)]
 
 
-def _fused_cast(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One kernel on CUDA (read fp32, write fp8); eager elsewhere (CPU tests)."""
-    global _compiled_cast
-    if hp.device.type != "cuda":
-        return _cast(hp, scale, dtype)
-    if _compiled_cast is None:
-        _compiled_cast = torch.compile(_cast, dynamic=True)
-    return _compiled_cast(hp, scale, dtype)
+_compiled_cast_all = None
+
+
+def cast_shards(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype):
+    """Every weight shard to fp8 with its scale: on CUDA one compiled call for all of them
+    (one fused kernel per shard, read fp32 and write fp8, launched from one graph); eager
+    elsewhere (CPU tests).
+
+    One call for the whole model, not one per weight: cast one at a time (the first form of
+    this cache, in FSDP's pre-all-gather) each cast was a compiled region of its own, 0.3-0.6 ms
+    of host time, seven per block, and at model=1b under fsdp on 2 H200s the host then fell
+    behind the GPU: 236 ms a step of the compute stream idle waiting for launches, and fp8
+    at 0.87x bf16 (98.7k against 113.6k tokens/s, bench/results/2026-11-28-gpu-s13/)."""
+    global _compiled_cast_all
+    if not hps or hps[0].device.type != "cuda":
+        return _cast_all(hps, scales, dtype)
+    if _compiled_cast_all is None:
+        # Shapes are the model's, fixed for the run: no dynamic shapes, one graph.
+        _compiled_cast_all = torch.compile(_cast_all, dynamic=False)
+    return _compiled_cast_all(hps, scales, dtype)
 
 
 def install_cached_weight_cast() -> None:
-    """Make FSDP2's fp8 weight all-gather cast each weight shard once per optimizer step, in
-    one fused kernel.
+    """Make FSDP2's fp8 weight all-gather use the shard precompute_fp8_scales cast.
 
     torchao casts the local shard before every all-gather: in the forward and again in the
     backward's re-gather, each time as three eager kernels (multiply, clamp, fp8 copy), a
     large share of an fp8 step (docs/benchmarks.md, "fp8 under fsdp at 8b"). Once the scale
-    is precomputed after the step (precompute_fp8_scales), the fp8 shard depends only on the
-    weight and that scale: it is cast once, fused, and reused
-    until precompute_fp8_scales runs again, which the strategy calls after every optimizer step
-    and every load of weights (the weight's version counter cannot tell: the optimizer updates
-    the tensor under torchao's wrapper without bumping it). The cache also holds the scale it
-    was cast with and is not used with another. Costs one byte per sharded block-linear
-    parameter per rank.
+    is precomputed after the step, the fp8 shard depends only on the weight and that scale:
+    precompute_fp8_scales casts every shard then, all in one call (cast_shards), and the
+    all-gathers reuse them until it runs again, which the strategy does after every optimizer
+    step and every load of weights (the weight's version counter cannot tell: the optimizer
+    updates the tensor under torchao's wrapper without bumping it). A cached shard is used only
+    with the scale it was cast with; otherwise torchao's own cast runs (the same bits). Costs
+    one byte per sharded block-linear parameter per rank.
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
 
@@ -105,25 +117,35 @@ def install_cached_weight_cast() -> None:
 
     def fsdp_pre_all_gather(self, mesh):  # FSDP2 checks this signature
         scale = self._precomputed_scale
-        if scale is None:  # before the first step: torchao's dynamic path (one all-reduce)
-            return torchao_pre_all_gather(self, mesh)
         cached = getattr(self, "_dtrain_fp8", None)
-        if cached is None or cached[0] is not scale:
-            cached = (scale, _fused_cast(self._tensor, scale, self._dtype))
-            self._dtrain_fp8 = cached
+        if scale is None or cached is None or cached[0] is not scale:
+            return torchao_pre_all_gather(self, mesh)  # before the first step: dynamic scale
         return (cached[1],), (scale,)
 
     W.fsdp_pre_all_gather = fsdp_pre_all_gather
     W._dtrain_cached_cast = True
 
 
+@torch.no_grad()
 def precompute_fp8_scales(module: nn.Module) -> None:
     """Under FSDP2 with fp8 all-gather: compute all weights' scales in one kernel after each
-    optimizer step (instead of one reduction per weight during the next forward)."""
+    optimizer step (instead of one reduction per weight during the next forward), then cast
+    every weight shard with its new scale for the all-gathers to reuse
+    (install_cached_weight_cast)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
 
     precompute_float8_dynamic_scale_for_fsdp(module)
-    for p in module.parameters():  # the fp8 shards cast from the old weights are stale now
+    shards = []
+    for p in module.parameters():
         local = getattr(p, "_local_tensor", None)
-        if hasattr(local, "_dtrain_fp8"):
-            del local._dtrain_fp8
+        if isinstance(local, W) and local._precomputed_scale is not None:
+            shards.append(local)
+    if not shards or not getattr(W, "_dtrain_cached_cast", False):
+        return
+    (dtype,) = {t._dtype for t in shards}  # torchao's precompute allows one target dtype
+    scales = [t._precomputed_scale for t in shards]
+    for t, scale, fp8 in zip(
+        shards, scales, cast_shards([t._tensor for t in shards], scales, dtype)
+    ):
+        t._dtrain_fp8 = (scale, fp8)

@@ -1,6 +1,7 @@
 """On a CUDA device: the fp8 weight-gradient transposes run as their own op inside a compiled
-fp8 block (dtrain/lowp/fp8_layout.py) without changing what it computes beyond rounding, and
-the async checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
+fp8 block (dtrain/lowp/fp8_layout.py) without changing what it computes beyond rounding, fsdp's
+fp8 weight shards are cast all at once in one compiled call, torchao's bits (dtrain/lowp/fp8.py),
+and the async checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ def test_compiled_fp8_block_takes_the_transpose_op_on_cuda(monkeypatch):
     # Other kernels may fuse differently around the op: equal to bf16 rounding, not bitwise.
     for a, b in zip(fused, apart):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-5), (a - b).abs().max()
+
+
+def test_weight_shards_are_cast_in_one_compiled_call_with_torchaos_bits():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    from dtrain.lowp import fp8
+
+    torch._dynamo.reset()
+    fp8._compiled_cast_all = None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # 1b's block shapes halved by the 2-rank shard, odd rows too; scales are views of one tensor
+    shapes = [(1024, 2048), (128, 2048), (2816, 2048), (1024, 5632), (37, 48)] * 3
+    hps = [torch.randn(s, device="cuda", generator=gen) * 3 for s in shapes]
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):  # new scales each step, as after every optimizer step: no recompile
+        amax = torch.stack([h.abs().max() for h in hps])
+        scales = list((torch.finfo(torch.float8_e4m3fn).max / amax.double()).float())
+        out = fp8.cast_shards(hps, scales, torch.float8_e4m3fn)
+        for h, sc, q in zip(hps, scales, out, strict=True):
+            ref = hp_tensor_and_scale_to_float8(h, sc, torch.float8_e4m3fn)._data
+            assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+        hps = [h * 1.01 for h in hps]
+    assert fp8._compiled_cast_all is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
 
 
 def test_host_buffers_are_page_locked_and_staged_into():
