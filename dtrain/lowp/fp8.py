@@ -144,6 +144,8 @@ def precompute_fp8_scales(module: nn.Module) -> None:
     if not shards or not getattr(W, "_dtrain_cached_cast", False):
         return
     (dtype,) = {t._dtype for t in shards}  # torchao's precompute allows one target dtype
+    for t in shards:  # stale now; dropped first so that old and new are never held together
+        t.__dict__.pop("_dtrain_fp8", None)
     scales = [t._precomputed_scale for t in shards]
     for t, scale, fp8 in zip(
         shards, scales, cast_shards([t._tensor for t in shards], scales, dtype)
