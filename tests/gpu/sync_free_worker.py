@@ -6,10 +6,15 @@ sync in a step that is not logged (an .item(), a copy from pageable memory, a no
 
 Two ranks, because the per-step stop vote (StopSignal.poll) only runs where there is more than
 one; the worker fails unless that vote ran under the strict mode.
+
+Under fsdp with fp8 it also counts, from FROM_STEP on, the fp8 weight all-gathers and how many
+sent the shard cast right after the step (dtrain/lowp/fp8.py) instead of casting their own:
+"fp8 gathers N cached M" on stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -18,6 +23,7 @@ from dtrain import train as loop
 from dtrain.config import compose
 from dtrain.preemption import StopSignal
 from dtrain.run.report import StepReport
+from tests.fsdp_fp8_worker import gathers_seen
 
 FROM_STEP = 3  # steps 1-3 compile and warm up; the ones after must not sync
 
@@ -26,9 +32,13 @@ def main(overrides: list[str]) -> None:
     cfg = compose(overrides)
     end = cfg.trainer.max_steps
     one_step, step_done, poll = loop.one_step, StepReport.step_done, StopSignal.poll
-    strict_votes = []
+    strict_votes, watch = [], contextlib.ExitStack()
+    fp8_gathers = None
 
     def strict_step(r, report, step, heartbeat):
+        nonlocal fp8_gathers
+        if step == FROM_STEP and fp8_cache_installed():  # after set-up: spy on the cached path
+            fp8_gathers = watch.enter_context(gathers_seen())
         if step >= FROM_STEP:
             torch.cuda.set_sync_debug_mode("error")
         return one_step(r, report, step, heartbeat)
@@ -45,10 +55,21 @@ def main(overrides: list[str]) -> None:
 
     loop.one_step, StepReport.step_done = strict_step, lenient_report
     StopSignal.poll = counted_poll
-    summary = loop.run(cfg)
+    with watch:
+        summary = loop.run(cfg)
     if not strict_votes:
         raise SystemExit("the stop vote never ran under the sync debug mode: nothing was tested")
+    if fp8_gathers is not None:
+        print("fp8 gathers", len(fp8_gathers), "cached", sum(fp8_gathers))
     print("steps", summary["step"])
+
+
+def fp8_cache_installed() -> bool:
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+    except ImportError:
+        return False
+    return getattr(W, "_dtrain_cached_cast", False)
 
 
 if __name__ == "__main__":
