@@ -86,9 +86,15 @@ def train(env, cfg, hooked: bool):
     if hooked:  # loading weights (a resume) casts every shard again, from the loaded ones
         s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
         before = {id(t): t._dtrain_fp8[0] for t in locals_ if hasattr(t, "_dtrain_fp8")}
-        s.load_state_dict(s.state_dict())
-        assert all(t._dtrain_fp8[0] is not before[id(t)] for t in locals_ if id(t) in before)
-        assert_fresh(locals_)
+        # Weights other than the cached ones (doubled: exact in fp32), then back (halved).
+        for factor in (2.0, 0.5):
+            state = s.state_dict()
+            state["model"] = {
+                k: v * factor if v.is_floating_point() else v for k, v in state["model"].items()
+            }
+            s.load_state_dict(state)
+            assert all(t._dtrain_fp8[0] is not before[id(t)] for t in locals_ if id(t) in before)
+            assert_fresh(locals_)
         s.optimizer.zero_grad(set_to_none=True)
     weights = {
         k: v.full_tensor().clone()

@@ -79,7 +79,7 @@ _compiled_cast_all = None
 def cast_shards(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype):
     """Every weight shard to fp8 with its scale: on CUDA one compiled call for all of them
     (one fused kernel per shard, read fp32 and write fp8, launched from one graph); eager
-    elsewhere (CPU tests).
+    elsewhere (CPU tests, and shards offloaded to the host by strategy.cpu_offload).
 
     One call for the whole model, not one per weight: cast one at a time (the first form of
     this cache, in FSDP's pre-all-gather) each cast was a compiled region of its own, 0.3-0.6 ms
@@ -104,9 +104,11 @@ def install_cached_weight_cast() -> None:
     is precomputed after the step, the fp8 shard depends only on the weight and that scale:
     precompute_fp8_scales casts every shard then, all in one call (cast_shards), and the
     all-gathers reuse them until it runs again, which the strategy does after every optimizer
-    step and every load of weights (the weight's version counter cannot tell: the optimizer
-    updates the tensor under torchao's wrapper without bumping it). A cached shard is used only
-    with the scale it was cast with; otherwise torchao's own cast runs (the same bits). Costs
+    step and every load of a checkpoint (Strategy.clip_and_step and .load_state_dict, the only
+    places the weights change once a scale exists; the weight's version counter cannot tell:
+    the optimizer updates the tensor under torchao's wrapper without bumping it). A cached
+    shard is used only with the scale it was cast with; otherwise torchao's own cast runs (the
+    same bits). Like torchao's precomputed scales, this needs that hook after every step. Costs
     one byte per sharded block-linear parameter per rank.
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
@@ -119,7 +121,8 @@ def install_cached_weight_cast() -> None:
         scale = self._precomputed_scale
         cached = getattr(self, "_dtrain_fp8", None)
         if scale is None or cached is None or cached[0] is not scale:
-            return torchao_pre_all_gather(self, mesh)  # before the first step: dynamic scale
+            # No scale yet (before the first step: dynamic), or no shard cast with this one.
+            return torchao_pre_all_gather(self, mesh)
         return (cached[1],), (scale,)
 
     W.fsdp_pre_all_gather = fsdp_pre_all_gather
