@@ -291,17 +291,20 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
         )
 
 
-def post_step_hook(precision: Precision, module: nn.Module, *, sharded: bool):
+def post_step_hook(
+    precision: Precision, module: nn.Module, *, sharded: bool, compiled: bool = False
+):
     """What must run after each optimizer step for `precision`, or None.
 
     fp8 with FSDP2's fp8 all-gather needs each weight's scale to be the same on every shard.
     Left to itself torchao computes it in the next forward with one all-reduce per linear (7
     per block, each a sync point on the communication stream); torchao's precompute does all
-    of them in one all-reduce right after the step, as torchtitan does."""
+    of them in one all-reduce right after the step, as torchtitan does. `compiled`: the
+    shards' fp8 cast that follows it runs as one compiled call (lowp/fp8.cast_shards)."""
     if precision.quantize == "fp8" and sharded and precision.fp8_recipe == "tensorwise":
         from dtrain.lowp.fp8 import precompute_fp8_scales
 
-        return lambda: precompute_fp8_scales(module)
+        return lambda: precompute_fp8_scales(module, compiled=compiled)
     return None
 
 

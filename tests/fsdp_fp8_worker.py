@@ -118,6 +118,9 @@ def main() -> None:
     )
     cfg.model.vocab_size = 64
     scaled, cached, hooked = train(env, cfg, hooked=True)
+    from dtrain.lowp import fp8
+
+    assert fp8._compiled_cast_all is None  # strategy.compile=false: the shards cast eagerly
     unscaled, _, plain = train(env, cfg, hooked=False)
     same = hooked.keys() == plain.keys() and all(torch.equal(hooked[k], plain[k]) for k in hooked)
     Path(sys.argv[1], f"rank{env.rank}.txt").write_text(

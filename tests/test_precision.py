@@ -475,16 +475,17 @@ def test_fp16_steps_under_fsdp_with_two_ranks(tmp_path):
 
 
 def test_the_compiled_shard_cast_is_torchaos_cast_bit_for_bit():
-    """fsdp's fp8 weight shards are cast after each step in one compiled call on CUDA
-    (lowp/fp8.cast_shards): the compiled graph (here Inductor's CPU code) gives torchao's
-    bits, saturating at fp8's largest value, and new scales reuse the graph."""
+    """fsdp's fp8 weight shards are cast after each step in one compiled call where the
+    blocks compile (lowp/fp8.cast_shards): the compiled graph (here Inductor's CPU code) gives
+    torchao's bits, as the eager cast does, saturating at fp8's largest value, and new scales
+    reuse the graph."""
     pytest.importorskip("torchao")
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
     from dtrain.lowp import fp8
 
     torch._dynamo.reset()
-    compiled = torch.compile(fp8._cast_all, dynamic=False)
+    fp8._compiled_cast_all = None
     gen = torch.Generator().manual_seed(0)
     hps = [torch.randn(s, generator=gen) * 3 for s in ((48, 32), (16, 32), (37, 20))]
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -492,12 +493,13 @@ def test_the_compiled_shard_cast_is_torchaos_cast_bit_for_bit():
         scales = list(
             k * torch.finfo(torch.float8_e4m3fn).max / torch.stack([h.abs().max() for h in hps])
         )
-        out = compiled(hps, scales, torch.float8_e4m3fn)
-        eager = fp8.cast_shards(hps, scales, torch.float8_e4m3fn)  # on CPU: eager
+        out = fp8.cast_shards(hps, scales, torch.float8_e4m3fn, compiled=True)
+        eager = fp8.cast_shards(hps, scales, torch.float8_e4m3fn, compiled=False)
         for h, sc, q, e in zip(hps, scales, out, eager, strict=True):
             ref = hp_tensor_and_scale_to_float8(h, sc, torch.float8_e4m3fn)._data
             assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
             assert torch.equal(e.view(torch.uint8), ref.view(torch.uint8))
+    assert fp8._compiled_cast_all is not None  # the compiled call was the one taken
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
 
 

@@ -76,10 +76,13 @@ def _cast_all(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.
 _compiled_cast_all = None
 
 
-def cast_shards(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype):
-    """Every weight shard to fp8 with its scale: on CUDA one compiled call for all of them
-    (one fused kernel per shard, read fp32 and write fp8, launched from one graph); eager
-    elsewhere (CPU tests, and shards offloaded to the host by strategy.cpu_offload).
+def cast_shards(
+    hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype, *, compiled: bool
+):
+    """Every weight shard to fp8 with its scale: with `compiled` one compiled call for all of
+    them (one fused kernel per shard, read fp32 and write fp8, launched from one graph); eager
+    otherwise (strategy.compile=false, and shards offloaded to the host by
+    strategy.cpu_offload).
 
     One call for the whole model, not one per weight: cast one at a time (the first form of
     this cache, in FSDP's pre-all-gather) each cast was a compiled region of its own, 0.3-0.6 ms
@@ -87,7 +90,7 @@ def cast_shards(hps: list[torch.Tensor], scales: list[torch.Tensor], dtype: torc
     behind the GPU: 236 ms a step of the compute stream idle waiting for launches, and fp8
     at 0.87x bf16 (98.7k against 113.6k tokens/s, bench/results/2026-11-28-gpu-s13/)."""
     global _compiled_cast_all
-    if not hps or hps[0].device.type != "cuda":
+    if not hps or not compiled:
         return _cast_all(hps, scales, dtype)
     if _compiled_cast_all is None:
         # Shapes are the model's, fixed for the run: no dynamic shapes, one graph.
@@ -130,11 +133,11 @@ def install_cached_weight_cast() -> None:
 
 
 @torch.no_grad()
-def precompute_fp8_scales(module: nn.Module) -> None:
+def precompute_fp8_scales(module: nn.Module, *, compiled: bool = False) -> None:
     """Under FSDP2 with fp8 all-gather: compute all weights' scales in one kernel after each
     optimizer step (instead of one reduction per weight during the next forward), then cast
     every weight shard with its new scale for the all-gathers to reuse
-    (install_cached_weight_cast)."""
+    (install_cached_weight_cast); `compiled`: that cast in one compiled call (cast_shards)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
 
@@ -151,6 +154,6 @@ def precompute_fp8_scales(module: nn.Module) -> None:
         t.__dict__.pop("_dtrain_fp8", None)
     scales = [t._precomputed_scale for t in shards]
     for t, scale, fp8 in zip(
-        shards, scales, cast_shards([t._tensor for t in shards], scales, dtype)
+        shards, scales, cast_shards([t._tensor for t in shards], scales, dtype, compiled=compiled)
     ):
         t._dtrain_fp8 = (scale, fp8)

@@ -63,7 +63,7 @@ def test_weight_shards_are_cast_in_one_compiled_call_with_torchaos_bits():
     for _ in range(3):  # new scales each step, as after every optimizer step: no recompile
         amax = torch.stack([h.abs().max() for h in hps])
         scales = list((torch.finfo(torch.float8_e4m3fn).max / amax.double()).float())
-        out = fp8.cast_shards(hps, scales, torch.float8_e4m3fn)
+        out = fp8.cast_shards(hps, scales, torch.float8_e4m3fn, compiled=True)
         for h, sc, q in zip(hps, scales, out, strict=True):
             ref = hp_tensor_and_scale_to_float8(h, sc, torch.float8_e4m3fn)._data
             assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))

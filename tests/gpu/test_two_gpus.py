@@ -204,5 +204,6 @@ def test_steps_between_logs_never_wait_for_the_gpu(overrides, tmp_path):
         lines = [x for x in out.stdout.splitlines() if x.startswith("fp8 gathers")]
         assert len(lines) == 2, out.stdout[-3000:]  # one a rank
         for line in lines:
-            _, _, n, _, cached = line.split()
+            _, _, n, _, cached, _, compiled = line.split()
             assert int(n) >= 6 * 4 * 7 and cached == n, line  # 6 steps of 4 blocks of 7 linears
+            assert compiled == "1", line  # compiled blocks: the shards cast in one compiled call
