@@ -175,6 +175,10 @@ class TrainerConfig:
     stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
     # A collective that waits longer than this names the missing rank and stops the run.
     collective_timeout_s: float = 600.0
+    # Python's garbage collector (dtrain/run/gc_schedule.py): automatic collection off in the
+    # loop and the young generations collected every gc_every steps, on every rank at the same
+    # step; 0: Python's automatic collection. Either way perf/gc_pct logs the time it takes.
+    gc_every: int = 50
 
 
 @dataclass
@@ -430,6 +434,7 @@ RANGES: dict[str, str] = {
     "trainer.log_every": "> 0",
     "trainer.grad_clip": ">= 0",
     "trainer.collective_timeout_s": "> 0",
+    "trainer.gc_every": ">= 0",
     "metrics.peak_tflops": "> 0",
     "inspect.max_new_tokens": ">= 0",
     "inspect.temperature": ">= 0",

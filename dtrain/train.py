@@ -22,6 +22,7 @@ from dtrain.faults import point
 from dtrain.optim import lr_at
 from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.run.build import Run, build_run
+from dtrain.run.gc_schedule import GcSchedule
 from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
@@ -113,7 +114,8 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     """Steps from r.start_step to r.end_step: eval, save and stop where they are due."""
     t = r.cfg.trainer
     step, end = r.start_step, r.end_step
-    saver, report = Saver(r), StepReport(r)
+    gc_schedule = GcSchedule(t.gc_every)
+    saver, report = Saver(r), StepReport(r, gc_schedule)
     progress = Progress(t.progress_bar and r.env.is_main, step, end)
     evals: list[tuple[int, float]] = []
     stopped_by_signal = False
@@ -126,28 +128,32 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     r.profiler.start()
     slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
 
-    while step < end:
-        with SlowStepNotice(step + 1, slow.get(step + 1)):  # stopped however the step ends
-            lr, grad_norm = one_step(r, report, step, heartbeat)
-        step += 1
-        info = report.step_done(step, lr, grad_norm)  # None but on a logged step
-        progress.update(step, info)
-        if r.ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)
-            saver.settle(step, sync_point=info is not None)
+    with gc_schedule:  # Python's collector scheduled (or timed) while the steps run
+        while step < end:
+            with SlowStepNotice(step + 1, slow.get(step + 1)):  # stopped however it ends
+                lr, grad_norm = one_step(r, report, step, heartbeat)
+            step += 1
+            # Before the report: a logged step waits for the GPU, and a collection made while
+            # the GPU still runs the step's kernels costs it nothing.
+            gc_schedule.step_done(step)
+            info = report.step_done(step, lr, grad_norm)  # None but on a logged step
+            progress.update(step, info)
+            if r.ckpt.in_flight is not None:  # complete yet? (ranks agree where the loop syncs)
+                saver.settle(step, sync_point=info is not None)
 
-        if t.eval_every > 0 and step % t.eval_every == 0 and step != end:
-            evals.append((step, evaluate(r, step)))
-            report.restart_clock()
-        bad_step = r.guard.poll() if t.on_nonfinite == "stop" else None
-        if bad_step is not None:
-            stop_on_nonfinite(r, saver, progress, step, bad_step)
-        if stop.poll():
-            stopped_by_signal = True
-            saver.save(step, final=True)
-            break
-        if r.ckpt.due(step) and step != end:
-            saver.save(step)
-            report.restart_clock()
+            if t.eval_every > 0 and step % t.eval_every == 0 and step != end:
+                evals.append((step, evaluate(r, step)))
+                report.restart_clock()
+            bad_step = r.guard.poll() if t.on_nonfinite == "stop" else None
+            if bad_step is not None:
+                stop_on_nonfinite(r, saver, progress, step, bad_step)
+            if stop.poll():
+                stopped_by_signal = True
+                saver.save(step, final=True)
+                break
+            if r.ckpt.due(step) and step != end:
+                saver.save(step)
+                report.restart_clock()
 
     r.profiler.stop()
     saver.settle(step)

@@ -103,6 +103,7 @@ def layout(cuda: bool, mfu: bool) -> dict:
     if mfu:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]
     throughput["data wait %"] = ["Multiline", [r"perf/data_wait_pct"]]
+    throughput["Python GC %"] = ["Multiline", [r"perf/gc_pct"]]
     return {"memory": memory, "training": throughput}
 
 

@@ -16,6 +16,7 @@ from dtrain.reporting.summary import PREDICTED_SPEED_KEY
 
 if TYPE_CHECKING:
     from dtrain.run.build import Run
+    from dtrain.run.gc_schedule import GcSchedule
 
 log = logging.getLogger("dtrain")
 
@@ -24,8 +25,9 @@ class StepReport:
     """The loop's running figures between two logged steps, and the report of each logged
     one. The only host-device sync of a normal step is in log(), every log_every steps."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, gc_schedule: GcSchedule | None = None):
         self.run = run
+        self.gc_schedule = gc_schedule  # its collections' pauses, for perf/gc_pct
         self.loss_sum = torch.zeros((), device=run.env.device)
         self.steps_since_log = 0
         self.throughput = Throughput()
@@ -77,7 +79,9 @@ class StepReport:
         mem = gather_memory(r.strategy.state_bytes(), r.env.device)
         mfu = (tok_s / world) * r.flops_per_token / r.peak if r.peak else None
         now = time.perf_counter()
-        data_wait_pct = 100.0 * self.data_wait / max(now - self.t_log, 1e-9)
+        interval = max(now - self.t_log, 1e-9)
+        data_wait_pct = 100.0 * self.data_wait / interval
+        gc_s = self.gc_schedule.take() if self.gc_schedule is not None else 0.0
         self.data_wait, self.t_log = 0.0, now
         info = {
             "step": step,
@@ -88,6 +92,7 @@ class StepReport:
             "tokens_per_s_per_gpu": tok_s / world,
             "mfu": mfu,
             "data_wait_pct": data_wait_pct,
+            "gc_pct": 100.0 * gc_s / interval,
             "tokens_seen": r.stream.consumed * r.cfg.trainer.seq_len,
             "elapsed_s": time.perf_counter() - self.t_start,
             "memory_per_rank": mem,
@@ -119,6 +124,7 @@ class StepReport:
             "perf/predicted_tokens_per_s_per_gpu": info.get(PREDICTED_SPEED_KEY),
             "perf/mfu": info["mfu"],
             "perf/data_wait_pct": info["data_wait_pct"],
+            "perf/gc_pct": info["gc_pct"],
             **memory_scalars(info["memory_per_rank"], self.run.mem_plan),
         }
 

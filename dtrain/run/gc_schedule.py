@@ -1,0 +1,55 @@
+"""Python's garbage collector during training: when it runs, and how long it pauses the loop.
+
+Left automatic, the collector runs whenever enough objects have been allocated, and a step
+allocates many (FSDP2's DTensors, torchao's fp8 tensor subclasses, autograd nodes): a
+collection of the old generation walks every object the process holds (the compiled graphs'
+modules among them) and pauses that rank for tens of milliseconds, at a different step on each
+rank, and the others wait for it at the next collective. So, as torchtitan (`gc_freq`), OLMo-core
+and Composer do, the automatic collector is off while the loop runs, and every `every` steps
+each rank collects the young generations (gc.collect(1)), all at the same step. What is
+collected then, automatic or scheduled, is timed: the loop logs its share of the wall time
+(perf/gc_pct).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+class GcSchedule:
+    """Context manager around the step loop. every=0: Python's automatic collection, timed."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.pause_s = 0.0  # time in collections since the last take()
+        self._t0: float | None = None
+        self._was_enabled = gc.isenabled()
+
+    def __enter__(self) -> GcSchedule:
+        gc.callbacks.append(self._timed)
+        if self.every > 0:
+            gc.collect(1)  # start the loop with the set-up's young garbage gone
+            gc.disable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._timed)
+        if self._was_enabled:
+            gc.enable()
+
+    def step_done(self, step: int) -> None:
+        if self.every > 0 and step % self.every == 0:
+            gc.collect(1)
+
+    def take(self) -> float:
+        """Seconds spent collecting since the last call."""
+        paused, self.pause_s = self.pause_s, 0.0
+        return paused
+
+    def _timed(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pause_s += time.perf_counter() - self._t0
+            self._t0 = None

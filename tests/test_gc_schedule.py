@@ -1,0 +1,84 @@
+"""Python's garbage collector during training (dtrain/run/gc_schedule.py): automatic collection
+off while the steps run, the young generations collected every trainer.gc_every steps, every
+collection timed for perf/gc_pct; gc_every=0 leaves Python's automatic collection on, timed."""
+
+import gc
+
+import pytest
+
+from dtrain.run.gc_schedule import GcSchedule
+from tests.conftest import read_jsonl, train
+
+
+@pytest.fixture
+def collections():
+    """The generation of every collection that starts while the test runs."""
+    seen = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    yield seen
+    gc.callbacks.remove(record)
+
+
+def test_automatic_collection_is_off_and_the_young_are_collected_every_n_steps(collections):
+    assert gc.isenabled()
+    with GcSchedule(every=3) as s:
+        assert not gc.isenabled()
+        collections.clear()  # the one on entry
+        for step in range(1, 8):
+            before = len(collections)
+            junk = [[] for _ in range(5000)]  # would trigger automatic gen-0 collections
+            del junk
+            s.step_done(step)
+            assert collections[before:] == ([1] if step % 3 == 0 else []), step
+        assert s.take() > 0 and s.take() == 0  # both scheduled collections were timed
+    assert gc.isenabled()  # put back as it was
+
+
+def test_every_zero_keeps_the_automatic_collector_and_times_it(collections):
+    with GcSchedule(every=0) as s:
+        assert gc.isenabled()
+        for step in range(1, 5):
+            s.step_done(step)
+        assert collections == []  # nothing scheduled
+        cycles = []
+        for _ in range(20000):  # garbage with cycles: the automatic collector runs
+            a = []
+            a.append(a)
+            cycles.append(len(a))
+        assert collections and s.take() > 0
+    assert gc.isenabled()
+
+
+def test_a_disabled_collector_stays_disabled_after_the_loop():
+    gc.disable()
+    try:
+        with GcSchedule(every=2):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("every", [2, 0])
+def test_the_loop_schedules_the_collector_and_logs_its_share(tmp_path, monkeypatch, every):
+    from dtrain import train as loop
+
+    enabled, one_step = [], loop.one_step
+
+    def watched(*args):
+        enabled.append(gc.isenabled())
+        return one_step(*args)
+
+    monkeypatch.setattr(loop, "one_step", watched)
+    train(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", f"trainer.gc_every={every}")
+    assert enabled == [every == 0] * 4
+    assert gc.isenabled()
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(recs) == 2 and all(0.0 <= r["gc_pct"] <= 100.0 for r in recs)
+    if every:  # steps 2 and 4 collect before their report: each logged interval holds one
+        assert recs[0]["gc_pct"] > 0 and recs[1]["gc_pct"] > 0
