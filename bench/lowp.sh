@@ -3,6 +3,7 @@
 # training command and synthetic tokens, every ratio against the bf16 run of the same call.
 #   OUT=/tmp/out bash bench/lowp.sh fsdp8b     # model=8b, fsdp on 2 GPUs, seq 8192, micro-batch 1
 #   OUT=/tmp/out bash bench/lowp.sh single1b   # model=1b, 1 GPU, seq 2048, micro-batch 8
+#   OUT=/tmp/out bash bench/lowp.sh fsdp1b     # model=1b, fsdp on 2 GPUs, seq 2048, micro-batch 8
 #   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 2 steps traced each (top ops)
 #   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
 #   OUT=/tmp/out bash bench/lowp.sh int8kernels  # bf16 vs torch._int_mm vs Triton int8: GEMMs,
@@ -10,8 +11,8 @@
 #   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise)
-# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused, fp16);
-# EXTRA adds more to fsdp8b and single1b.
+# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
+# fp8wide, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -26,9 +27,11 @@ fsdp8b() {  # $1 = result name, then overrides
 # A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
 # fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
 # dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
-# every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env).
+# every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
+# fp8wide is fp8 with fsdp's weights gathered in bf16 (precision.fp8_all_gather=false).
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   fp8fused) echo "precision=fp8" ;;
+  fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   int8apart) echo "precision=int8" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
@@ -40,11 +43,17 @@ single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"
 }
+fsdp1b() {  # MODEL is bench/common.sh's default, 1b
+  local name=$1; shift
+  dtrain_run "$name" 2 strategy=fsdp data.vocab_size=50304 "$@"
+}
 case "${1:-}" in
   fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
       with_env $p fsdp8b fsdp8b_$p $(prec $p); done ;;
   single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
       with_env $p single1b single1b_$p $(prec $p); done ;;
+  fsdp1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
+      with_env $p fsdp1b fsdp1b_$p $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
@@ -56,6 +65,6 @@ case "${1:-}" in
       with_env $p $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
-  *) echo "usage: bench/lowp.sh fsdp8b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2
+  *) echo "usage: bench/lowp.sh fsdp8b|fsdp1b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2
      exit 2 ;;
 esac

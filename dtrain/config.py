@@ -101,6 +101,9 @@ class PrecisionConfig:
     optimizer_8bit: bool = False  # AdamW moments in 8 bits (torchao AdamW8bit)
     fp8_recipe: Fp8Recipe = "tensorwise"  # precision=fp8: per-tensor or per-row scales
     fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
+    # precision=fp8 (tensorwise) under fsdp: all-gather the linears' weights in fp8, or (false)
+    # in the compute dtype with each block casting them itself, as on one GPU.
+    fp8_all_gather: bool = True
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
@@ -650,7 +653,7 @@ def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
 
 
 # Keys only some precisions' files have (a key a precision's file lacks is an unknown key).
-PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "int8_grad_weight")
+PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "fp8_all_gather", "int8_grad_weight")
 
 
 def schema_defaults(cls: type) -> dict:

@@ -44,10 +44,17 @@ class Precision:
     optimizer_8bit: bool = False  # torchao AdamW8bit: moments in int8 with block-wise scales
     fp8_recipe: str = "tensorwise"
     fp8_emulate: bool = False
+    fp8_all_gather: bool = True  # precision.fp8_all_gather (fp8_weight_gather says if it applies)
     # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
     # int8 input); "" for every other precision.
     int8_grad_weight: str = ""
     summary: str = ""
+
+    @property
+    def fp8_weight_gather(self) -> bool:
+        """Under FSDP2 the block linears' weights are all-gathered in fp8: tensorwise scales
+        only (one scale for a weight's shards), unless precision.fp8_all_gather=false."""
+        return self.quantize == "fp8" and self.fp8_recipe == "tensorwise" and self.fp8_all_gather
 
     @property
     def mixed(self) -> bool:
@@ -188,6 +195,11 @@ def build_precision(
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     _check_int8_grad_weight(cfg)
+    if not cfg.fp8_all_gather and p.quantize != "fp8":
+        raise ConfigError(
+            f"precision.fp8_all_gather applies to precision=fp8 only, not precision={cfg.name}; "
+            "remove it or use precision=fp8"
+        )
     reduce_dtype = _reduce_dtype(cfg, p)
     return replace(
         p,
@@ -196,6 +208,7 @@ def build_precision(
         optim_dtype=_I8 if cfg.optimizer_8bit else p.optim_dtype,
         fp8_recipe=cfg.fp8_recipe,
         fp8_emulate=cfg.fp8_emulate,
+        fp8_all_gather=cfg.fp8_all_gather,
         int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
         reduce_dtype=reduce_dtype or p.reduce_dtype,
         reduce_override=reduce_dtype is not None,
@@ -261,7 +274,8 @@ def block_linear_filter(module: nn.Module, fqn: str) -> bool:
 def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = False) -> None:
     """Change `module` in place for `precision`, before any wrapping (DDP, fully_shard, compile).
 
-    `sharded` says FSDP2 will shard the module: fp8 then all-gathers weights in fp8.
+    `sharded` says FSDP2 will shard the module: fp8 then all-gathers weights in fp8 (unless
+    precision.fp8_all_gather=false).
     """
     if precision.param_dtype != torch.float32:
         # Parameters only: buffers such as the RoPE tables stay fp32.
@@ -287,7 +301,7 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
             block_linear_filter,
             recipe=precision.fp8_recipe,
             emulate=precision.fp8_emulate,
-            fp8_all_gather=sharded,
+            fp8_all_gather=sharded and precision.fp8_weight_gather,
         )
 
 
@@ -301,7 +315,7 @@ def post_step_hook(
     per block, each a sync point on the communication stream); torchao's precompute does all
     of them in one all-reduce right after the step, as torchtitan does. `compiled`: the
     shards' fp8 cast that follows it runs as one compiled call (lowp/fp8.cast_shards)."""
-    if precision.quantize == "fp8" and sharded and precision.fp8_recipe == "tensorwise":
+    if sharded and precision.fp8_weight_gather:
         from dtrain.lowp.fp8 import precompute_fp8_scales
 
         return lambda: precompute_fp8_scales(module, compiled=compiled)

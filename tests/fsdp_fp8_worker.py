@@ -8,7 +8,9 @@ weights carry a precomputed scale and a cached fp8 shard (lowp/fp8.install_cache
 after the hooked run, and whether both runs ended on the same weights bit for bit (the scale
 and the cast are the ones the forward would compute, and a stale cache would change step 2).
 The hook casts every shard right after the step (lowp/fp8.precompute_fp8_scales): each cache
-must hold the scale just computed and the shard cast from the weights just updated.
+must hold the scale just computed and the shard cast from the weights just updated. Then, with
+precision.fp8_all_gather=false, 3 steps more: the weights stay plain (gathered in the compute
+dtype, cast by each block), no post-step hook, and they train.
 """
 
 import contextlib
@@ -60,11 +62,33 @@ def gathers_seen():
         W.fsdp_pre_all_gather = installed
 
 
-def train(env, cfg, hooked: bool):
-    precision = replace(PRECISIONS["fp8"], fp8_emulate=True)
-    s = build_strategy(cfg.strategy, precision, env)
+def strategy(env, cfg, **precision):
+    s = build_strategy(cfg.strategy, replace(PRECISIONS["fp8"], fp8_emulate=True, **precision), env)
     s.configure(micro_batch_size=2, grad_accum_steps=1, grad_clip=1.0)
     s.setup(cfg.model, cfg.optim, seed=0)
+    return s
+
+
+def gathered_wide(env, cfg) -> tuple[int, int, int]:
+    """precision.fp8_all_gather=false: (fp8-gathered weights, whether a post-step hook is set,
+    whether 3 steps changed the weights)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    s = strategy(env, cfg, fp8_all_gather=False)
+    locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
+    start = [t.clone() for t in locals_ if t is not None]
+    gen = torch.Generator().manual_seed(env.rank)
+    for _ in range(3):
+        tok = torch.randint(0, 64, (2, 17), generator=gen)
+        s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
+        s.clip_and_step(1e-2, 1.0)
+    now = [t for t in locals_ if t is not None]
+    trained = all(not torch.equal(a, b) for a, b in zip(start, now, strict=True) if a.dim() == 2)
+    return sum(isinstance(t, W) for t in locals_), int(s.post_step is not None), int(trained)
+
+
+def train(env, cfg, hooked: bool):
+    s = strategy(env, cfg)
     assert (s.post_step is not None) == True  # noqa: E712 - fsdp + tensorwise fp8 has a hook
     if not hooked:
         s.post_step = None
@@ -123,8 +147,9 @@ def main() -> None:
     assert fp8._compiled_cast_all is None  # strategy.compile=false: the shards cast eagerly
     unscaled, _, plain = train(env, cfg, hooked=False)
     same = hooked.keys() == plain.keys() and all(torch.equal(hooked[k], plain[k]) for k in hooked)
+    wide = " ".join(map(str, gathered_wide(env, cfg)))
     Path(sys.argv[1], f"rank{env.rank}.txt").write_text(
-        f"{scaled} {cached} {unscaled} {int(same)}\n"
+        f"{scaled} {cached} {unscaled} {int(same)} {wide}\n"
     )
     ddist.barrier()
     ddist.shutdown()

@@ -906,8 +906,10 @@ def test_fp8_under_fsdp_plans_the_kept_fp8_weight_shards():
     with_cache = plan_memory(cfg, setup)
     assert any("fp8 copy" in n for n in with_cache.notes)
     rowwise = replace(PRECISIONS["fp8"], fp8_recipe="rowwise")  # gathers in bf16: no cache
-    without = plan_memory(cfg, replace(setup, precision=rowwise))
-    assert not any("fp8 copy" in n for n in without.notes)
+    wide = replace(PRECISIONS["fp8"], fp8_all_gather=False)  # the same, told to
+    for precision in (rowwise, wide):
+        without = plan_memory(cfg, replace(setup, precision=precision))
+        assert not any("fp8 copy" in n for n in without.notes)
     one_rank = plan_memory(cfg, replace(setup, world_size=1))
     assert not any("fp8 copy" in n for n in one_rank.notes)
     from dtrain.memory.plan import _fp8_shard_cache_bytes

@@ -101,6 +101,26 @@ def test_fsdp_moves_three_times_the_parameters_over_the_ring():
     assert {r["op"] for r in rows} == {"all_gather", "reduce_scatter"}  # no replicas: no HSDP
 
 
+def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():
+    """precision=fp8 (tensorwise) under fsdp all-gathers the block linears' weights in fp8;
+    with precision.fp8_all_gather=false they travel in bf16, as bf16's do."""
+    machine = datasheet_machine(H100)
+
+    def gathered(*overrides):
+        cfg, setup = _setup("strategy=fsdp", *overrides, world=4)
+        rows = plan_speed(cfg.model, setup, machine).collectives
+        return cfg, sum(r["bytes"] for r in rows if r["op"] == "all_gather")
+
+    cfg, bf16 = gathered("precision=bf16")
+    _, fp8 = gathered("precision=fp8", "precision.fp8_emulate=true")
+    _, wide = gathered(
+        "precision=fp8", "precision.fp8_emulate=true", "precision.fp8_all_gather=false"
+    )
+    linears = cfg.model.n_layer * sp.linear_params_per_block(cfg.model)[0]
+    assert wide == bf16
+    assert fp8 == pytest.approx(bf16 - 2 * linears * (2 - 1))  # forward and backward gathers
+
+
 def test_nodes_put_a_group_on_the_network():
     cfg, setup = _setup("strategy=fsdp", "precision=bf16", world=16)
     one_node = plan_speed(cfg.model, setup, datasheet_machine(H100, gpus_per_node=16))

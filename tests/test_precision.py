@@ -375,6 +375,7 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=fp64"], "valid choices"),
         (["precision=int8", "precision.int8_grad_weight=fp16"], "choose int8 or bf16"),
         (["precision=bf16", "+precision.int8_grad_weight=bf16"], "precision=int8 only"),
+        (["precision=bf16", "+precision.fp8_all_gather=false"], "precision=fp8 only"),
     ],
 )
 def test_bad_precisions_are_config_errors(tmp_path, overrides, message):
@@ -514,5 +515,9 @@ def test_fsdp_fp8_precomputes_weight_scales_after_each_step(tmp_path):
     res = torchrun_script(ROOT / "tests" / "fsdp_fp8_worker.py", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     for r in (0, 1):
-        scaled, cached, unscaled, same = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
+        fields = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
+        scaled, cached, unscaled, same, wide_fp8, wide_hook, wide_trained = fields
         assert scaled == cached == 4 * 7 and unscaled == 0 and same == 1
+        # precision.fp8_all_gather=false: plain weights, gathered in the compute dtype and
+        # cast by each block, as on one GPU; no scale precompute; it trains.
+        assert wide_fp8 == 0 and wide_hook == 0 and wide_trained == 1

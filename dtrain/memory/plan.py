@@ -188,7 +188,7 @@ def _gathered_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
         # unsharded gradients exist before the reduce-scatter. fp8 (tensorwise) gathers the
         # linear weights in 1 byte (dtrain.lowp.fp8); the norm gains stay in c bytes.
         unsharded = block * c
-        if quantized_inputs(setup) == "fp8" and getattr(pr, "fp8_recipe", "") == "tensorwise":
+        if quantized_inputs(setup) == "fp8" and getattr(pr, "fp8_weight_gather", False):
             norms = 2 * cfg.d_model
             unsharded = (block - norms) + norms * c
         gathered = emb * c + 2 * unsharded + block * (c + pr.reduce_dtype.itemsize)
@@ -209,7 +209,7 @@ def _fp8_shard_cache_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     pr = setup.precision
     if setup.facts.partition != "dim0" or quantized_inputs(setup) != "fp8":
         return 0
-    if getattr(pr, "fp8_recipe", "") != "tensorwise" or setup.world_size < 2:
+    if not getattr(pr, "fp8_weight_gather", False) or setup.world_size < 2:
         return 0
     shard = setup.world_size // max(1, setup.replicate_degree)
     linears = cfg.n_layer * (_block_numel(cfg) - 2 * cfg.d_model)  # but the two norm gains

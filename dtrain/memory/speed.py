@@ -211,7 +211,7 @@ def collective_bytes(cfg: ModelConfig, c: Collective, setup: MemorySetup) -> flo
     n_params = count_params(cfg)
     elem = (pr.compute_dtype if c.dtype == "compute" else pr.reduce_dtype).itemsize
     total = n_params * elem
-    if c.narrow_weights and pr.quantize == "fp8" and getattr(pr, "fp8_recipe", "") == "tensorwise":
+    if c.narrow_weights and getattr(pr, "fp8_weight_gather", False):
         lin = cfg.n_layer * linear_params_per_block(cfg)[0]
         total -= lin * (elem - 1)  # linear weights travel as fp8
     if c.payload == "shard":
