@@ -101,9 +101,10 @@ class PrecisionConfig:
     optimizer_8bit: bool = False  # AdamW moments in 8 bits (torchao AdamW8bit)
     fp8_recipe: Fp8Recipe = "tensorwise"  # precision=fp8: per-tensor or per-row scales
     fp8_emulate: bool = False  # precision=fp8 without fp8 hardware (CPU tests): emulated, slow
-    # precision=fp8 (tensorwise) under fsdp: all-gather the linears' weights in fp8, or (false)
-    # in the compute dtype with each block casting them itself, as on one GPU.
-    fp8_all_gather: bool = True
+    # precision=fp8 (tensorwise) under fsdp/hsdp: all-gather the linears' weights in fp8
+    # (null: yes), or (false) in the compute dtype, each block casting them after the gather
+    # (torchtitan's default).
+    fp8_all_gather: bool | None = None
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;

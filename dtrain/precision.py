@@ -44,7 +44,7 @@ class Precision:
     optimizer_8bit: bool = False  # torchao AdamW8bit: moments in int8 with block-wise scales
     fp8_recipe: str = "tensorwise"
     fp8_emulate: bool = False
-    fp8_all_gather: bool = True  # precision.fp8_all_gather (fp8_weight_gather says if it applies)
+    fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
     # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
     # int8 input); "" for every other precision.
     int8_grad_weight: str = ""
@@ -54,7 +54,8 @@ class Precision:
     def fp8_weight_gather(self) -> bool:
         """Under FSDP2 the block linears' weights are all-gathered in fp8: tensorwise scales
         only (one scale for a weight's shards), unless precision.fp8_all_gather=false."""
-        return self.quantize == "fp8" and self.fp8_recipe == "tensorwise" and self.fp8_all_gather
+        tensorwise = self.quantize == "fp8" and self.fp8_recipe == "tensorwise"
+        return tensorwise and self.fp8_all_gather is not False
 
     @property
     def mixed(self) -> bool:
@@ -195,10 +196,15 @@ def build_precision(
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     _check_int8_grad_weight(cfg)
-    if not cfg.fp8_all_gather and p.quantize != "fp8":
+    if cfg.fp8_all_gather is not None and p.quantize != "fp8":
         raise ConfigError(
             f"precision.fp8_all_gather applies to precision=fp8 only, not precision={cfg.name}; "
             "remove it or use precision=fp8"
+        )
+    if cfg.fp8_all_gather is not None and cfg.fp8_recipe != "tensorwise":
+        raise ConfigError(
+            f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
+            f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
         )
     reduce_dtype = _reduce_dtype(cfg, p)
     return replace(
@@ -257,6 +263,11 @@ def check_strategy(precision: Precision, strategy, name: str) -> None:
         raise ConfigError(
             f"precision.reduce_dtype sets how gradients are reduced across ranks; strategy={name} "
             "reduces none: remove it, or use strategy=ddp, fsdp, hsdp or zero1-3"
+        )
+    if precision.fp8_all_gather is not None and strategy.memory.partition != "dim0":
+        raise ConfigError(
+            f"precision.fp8_all_gather sets how FSDP gathers weights; strategy={name} gathers "
+            "none: remove it, or use strategy=fsdp or hsdp"
         )
     if precision.optimizer_8bit and strategy.own_optimizer:
         raise ConfigError(

@@ -71,10 +71,12 @@ def strategy(env, cfg, **precision):
 
 def gathered_wide(env, cfg) -> tuple[int, int, int]:
     """precision.fp8_all_gather=false: (fp8-gathered weights, whether a post-step hook is set,
-    whether 3 steps changed the weights)."""
+    whether 3 steps changed the weights); the block linears stay fp8 (Float8Linear)."""
+    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
 
     s = strategy(env, cfg, fp8_all_gather=False)
+    assert sum(isinstance(m, Float8Linear) for m in s.module.modules()) == 4 * 7
     locals_ = [getattr(p, "_local_tensor", None) for p in s.module.parameters()]
     start = [t.clone() for t in locals_ if t is not None]
     gen = torch.Generator().manual_seed(env.rank)
@@ -109,9 +111,9 @@ def train(env, cfg, hooked: bool):
     scaled = sum(getattr(t, "_precomputed_scale", None) is not None for t in locals_)
     if hooked:  # loading weights (a resume) casts every shard again, from the loaded ones
         s.forward_backward(tok[:, :-1], tok[:, 1:], last_micro=True, loss_div=1)
-        before = {id(t): t._dtrain_fp8[0] for t in locals_ if hasattr(t, "_dtrain_fp8")}
         # Weights other than the cached ones (doubled: exact in fp32), then back (halved).
         for factor in (2.0, 0.5):
+            before = {id(t): t._dtrain_fp8[0] for t in locals_ if hasattr(t, "_dtrain_fp8")}
             state = s.state_dict()
             state["model"] = {
                 k: v * factor if v.is_floating_point() else v for k, v in state["model"].items()

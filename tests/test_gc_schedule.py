@@ -29,13 +29,16 @@ def test_automatic_collection_is_off_and_the_young_are_collected_every_n_steps(c
     with GcSchedule(every=3) as s:
         assert not gc.isenabled()
         collections.clear()  # the one on entry
-        for step in range(1, 8):
+        s.take()
+        for step in range(5, 12):  # a resumed run: its first step is 5
             before = len(collections)
             junk = [[] for _ in range(5000)]  # would trigger automatic gen-0 collections
             del junk
             s.step_done(step)
-            assert collections[before:] == ([1] if step % 3 == 0 else []), step
-        assert s.take() > 0 and s.take() == 0  # both scheduled collections were timed
+            scheduled = step % 3 == 0 or step == 5  # and after the first (compiling) step
+            assert collections[before:] == ([1] if scheduled else []), step
+            paused = s.take()
+            assert (paused > 0) == scheduled, step  # each scheduled collection timed
     assert gc.isenabled()  # put back as it was
 
 
@@ -80,5 +83,22 @@ def test_the_loop_schedules_the_collector_and_logs_its_share(tmp_path, monkeypat
     assert gc.isenabled()
     recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     assert len(recs) == 2 and all(0.0 <= r["gc_pct"] <= 100.0 for r in recs)
-    if every:  # steps 2 and 4 collect before their report: each logged interval holds one
-        assert recs[0]["gc_pct"] > 0 and recs[1]["gc_pct"] > 0
+    if every:  # step 4 collects before its report, in the second logged interval
+        assert recs[1]["gc_pct"] > 0
+
+
+def test_data_loader_workers_turn_the_collector_back_on(tmp_path, monkeypatch):
+    """A DataLoader worker forks while the loop has the collector off and would keep it off
+    for its whole life (found in review: nothing ever collected there)."""
+    from dtrain.data import loader
+
+    seen, init = tmp_path / "worker_gc.txt", loader._worker_init
+
+    def probe(worker_id):  # runs in the worker
+        forked_with = gc.isenabled()
+        init(worker_id)
+        seen.write_text(f"{forked_with} {gc.isenabled()}")
+
+    monkeypatch.setattr(loader, "_worker_init", probe)
+    train(tmp_path / "run", "trainer.max_steps=2", "trainer.log_every=1", "data.num_workers=1")
+    assert seen.read_text() == "False True"

@@ -376,6 +376,16 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=int8", "precision.int8_grad_weight=fp16"], "choose int8 or bf16"),
         (["precision=bf16", "+precision.int8_grad_weight=bf16"], "precision=int8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=false"], "precision=fp8 only"),
+        (["precision=bf16", "+precision.fp8_all_gather=true"], "precision=fp8 only"),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"]
+            + ["precision.fp8_all_gather=false"],
+            "fp8_recipe=tensorwise only",
+        ),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_all_gather=false"],
+            "strategy=single gathers none",
+        ),
     ],
 )
 def test_bad_precisions_are_config_errors(tmp_path, overrides, message):

@@ -18,6 +18,7 @@ that is saved is the one of the last block the loop actually took.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import queue
 import threading
@@ -33,6 +34,14 @@ from dtrain.errors import ConfigError, DataError
 from dtrain.preemption import ignore_stop_signals
 
 log = logging.getLogger("dtrain")
+
+
+def _worker_init(worker_id: int) -> None:
+    """What each DataLoader worker runs first: stopping is left to its rank, and Python's
+    garbage collector is on. A worker forks while the loop has the collector off
+    (dtrain/run/gc_schedule.py) and would inherit that for its life, with nothing collecting."""
+    ignore_stop_signals(worker_id)
+    gc.enable()
 
 
 @dataclass
@@ -124,7 +133,7 @@ class _StepReader:
             pin_memory=False,  # the stacked micro-batch is pinned instead (one copy, not two)
             prefetch_factor=b.prefetch_factor if workers else None,
             persistent_workers=False,
-            worker_init_fn=ignore_stop_signals if workers else None,
+            worker_init_fn=_worker_init if workers else None,
         )
         self.it = iter(loader)
         self.k = k  # the global index of this rank's next block

@@ -6,9 +6,16 @@ collection of the old generation walks every object the process holds (the compi
 modules among them) and pauses that rank for tens of milliseconds, at a different step on each
 rank, and the others wait for it at the next collective. So, as torchtitan (`gc_freq`), OLMo-core
 and Composer do, the automatic collector is off while the loop runs, and every `every` steps
-each rank collects the young generations (gc.collect(1)), all at the same step. What is
-collected then, automatic or scheduled, is timed: the loop logs its share of the wall time
-(perf/gc_pct).
+each rank collects the young generations (gc.collect(1)), all at the same step, and once
+after the process's first step, the one that compiles: torch.compile leaves garbage in
+reference cycles (hundreds of thousands of objects on a cold cache, host memory only) that
+would otherwise wait for step `every`. What is collected, automatic or scheduled, is timed: the
+loop logs its share of the wall time (perf/gc_pct).
+
+What survives a young collection moves to the oldest generation, which is not collected while
+the loop runs (as with torchtitan's gc_freq): garbage that forms a cycle only later stays until
+the loop ends. DataLoader workers, forked while the collector is off, turn it back on
+(dtrain/data/loader.py).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ class GcSchedule:
         self.every = every
         self.pause_s = 0.0  # time in collections since the last take()
         self._t0: float | None = None
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = True
+        self._first: int | None = None  # the process's first step (after a resume, not 1)
 
     def __enter__(self) -> GcSchedule:
+        self._was_enabled = gc.isenabled()
         gc.callbacks.append(self._timed)
         if self.every > 0:
             gc.collect(1)  # start the loop with the set-up's young garbage gone
@@ -39,7 +48,10 @@ class GcSchedule:
             gc.enable()
 
     def step_done(self, step: int) -> None:
-        if self.every > 0 and step % self.every == 0:
+        if self._first is None:
+            self._first = step
+        # The same steps on every rank: the same global step, and each rank's first.
+        if self.every > 0 and (step % self.every == 0 or step == self._first):
             gc.collect(1)
 
     def take(self) -> float:

@@ -222,9 +222,9 @@ class FSDPStrategy(Strategy):
         optim_cfg = sharded_scaler_optim(p, optim_cfg)
         self.optimizer = build_precision_optimizer(model, optim_cfg, p, self.device)
         self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
-        # The shards' fp8 cast compiles with the blocks, where the shards are on the GPU.
-        on_gpu = self.compile_enabled and not self.cfg.cpu_offload
-        self.post_step = post_step_hook(p, model, sharded=True, compiled=on_gpu)
+        # The shards' fp8 cast compiles where the blocks do, unless the shards are offloaded.
+        compiled = self.compile_enabled and not self.cfg.cpu_offload
+        self.post_step = post_step_hook(p, model, sharded=True, compiled=compiled)
 
     @property
     def grads_on_compute_stream(self) -> bool:

@@ -7,9 +7,10 @@ sync in a step that is not logged (an .item(), a copy from pageable memory, a no
 Two ranks, because the per-step stop vote (StopSignal.poll) only runs where there is more than
 one; the worker fails unless that vote ran under the strict mode.
 
-Under fsdp with fp8 it also counts, from FROM_STEP on, the fp8 weight all-gathers and how many
-sent the shard cast right after the step (dtrain/lowp/fp8.py) instead of casting their own,
-and whether that cast ran compiled: "fp8 gathers N cached M compiled 0|1" on stdout.
+Under fsdp with fp8 it also counts, from optimizer step FROM_STEP + 1 on, the fp8 weight
+all-gathers and how many sent the shard cast right after the step (dtrain/lowp/fp8.py) instead
+of casting their own, and whether that cast ran compiled: "fp8 gathers N cached M compiled
+0|1" on stdout.
 """
 
 from __future__ import annotations
