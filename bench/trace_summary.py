@@ -16,6 +16,11 @@ launched late). It also lists the host's blocking syncs of SYNC_MIN_US or more, 
 operator they ran under (an .item(), a copy from pageable memory), and the launch lag of the
 compute stream's kernels (kernel start minus its launch) in ten slices of the traced window:
 near 0, the GPU runs at the pace of the host's launches.
+
+--host adds where the host's time goes, on the threads that launch work (the main thread runs
+the forward and the optimizer, autograd's thread the backward): each thread's busy time (the
+union of its outermost events) and its busiest event names by inclusive time (FSDP's hooks,
+`Torch-Compiled Region`s, operators), per step, with how many of each a step ran.
 """
 
 from __future__ import annotations
@@ -113,6 +118,48 @@ def waits(events: list[dict], steps: int) -> dict:
     }
 
 
+HOST_CATS = ("cpu_op", "user_annotation", "python_function")
+
+
+def host(events: list[dict], steps: int, threads: int = 2) -> list[dict]:
+    """Per thread (the `threads` busiest by outermost-event time): busy ms per step, and the
+    event names by inclusive ms per step with their count per step."""
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
+            by_tid[e.get("tid")].append(e)
+    out = []
+    for tid, evs in by_tid.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        busy, end = 0.0, float("-inf")
+        for e in evs:  # the union of the intervals: nested events add nothing
+            s, f = e["ts"], e["ts"] + e["dur"]
+            if s >= end:
+                busy += f - s
+                end = f
+            elif f > end:
+                busy += f - end
+                end = f
+        names, counts = collections.Counter(), collections.Counter()
+        for e in evs:
+            names[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+        out.append({"tid": tid, "busy_ms": busy / 1e3 / steps,
+                    "names": [(n, v / 1e3 / steps, counts[n] / steps)
+                              for n, v in names.most_common()]})
+    return sorted(out, key=lambda t: -t["busy_ms"])[:threads]
+
+
+def host_markdown(threads: list[dict], top: int) -> str:
+    lines = []
+    for t in threads:
+        lines += [f"Host thread {t['tid']}: busy {t['busy_ms']:.1f} ms per step", "",
+                  "| event | ms per step (inclusive) | per step |", "|---|---|---|"]
+        lines += [f"| `{n[:80]}` | {v:.1f} | {c:g} |" for n, v, c in t["names"][:top]]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def waits_markdown(w: dict, steps: int) -> str:
     total = sum(w["gaps_ms"].values())
     lines = [
@@ -172,11 +219,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="kernels listed per run")
     ap.add_argument("--rank", type=int, default=0, help="whose trace")
     ap.add_argument("--waits", action="store_true", help="what the compute stream waited for")
+    ap.add_argument("--host", action="store_true", help="where the host's time goes")
     args = ap.parse_args()
     for d in args.run_dirs:
         print(markdown(summarize(d, args.steps, args.rank), args.top))
         if args.waits:
             print(waits_markdown(waits(load(d, args.rank), args.steps), args.steps))
+        if args.host:
+            print(host_markdown(host(load(d, args.rank), args.steps), args.top))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from trace_summary import waits, waits_markdown  # noqa: E402
+from trace_summary import host, host_markdown, waits, waits_markdown  # noqa: E402
 
 
 def kernel(tid, ts, dur, name, corr):
@@ -67,3 +67,25 @@ def test_gaps_are_put_down_to_what_ended_them_and_syncs_to_their_operator():
     assert lag[1] is None
     md = waits_markdown(w, steps=1)
     assert "1.5 ms per step" in md and "| 0.1 | 1.5 | cudaStreamSynchronize | aten::to |" in md
+
+
+def test_host_time_is_the_union_of_each_threads_events_with_names_by_inclusive_time():
+    def op(tid, ts, dur, name, cat="cpu_op"):
+        return {"cat": cat, "ph": "X", "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    events = [
+        op(1, 0, 1000, "FSDP::pre_forward", "user_annotation"),
+        op(1, 100, 400, "FSDP::all_gather", "user_annotation"),  # nested: adds no busy time
+        op(1, 900, 300, "Torch-Compiled Region", "user_annotation"),  # overlaps by 100 us
+        op(1, 2000, 600, "FSDP::pre_forward", "user_annotation"),
+        op(2, 0, 200, "aten::mm"),  # autograd's thread, less busy
+        kernel(7, 0, 5000, "nvjet_gemm_a", 1),  # not host time
+    ]
+    threads = host(events, steps=2)
+    assert [t["tid"] for t in threads] == [1, 2]
+    assert threads[0]["busy_ms"] == pytest.approx((1200 + 600) / 1e3 / 2)
+    names = {n: (ms, c) for n, ms, c in threads[0]["names"]}
+    assert names["FSDP::pre_forward"] == pytest.approx((0.8, 1.0))
+    assert names["FSDP::all_gather"] == pytest.approx((0.2, 0.5))
+    md = host_markdown(threads, top=5)
+    assert "Host thread 1: busy 0.9 ms per step" in md and "| `FSDP::pre_forward` | 0.8 | 1 |" in md
