@@ -61,6 +61,10 @@ class DataConfig:
     trust_remote_code: bool = False
 
 
+# trainer.micro_batch_size and strategy.reshard_after_forward: resolved by the memory plan
+# before the run is built (dtrain.memory.search).
+AUTO = "auto"
+
 # DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
 # boundary, and small buckets ran slower and held more memory (docs/benchmarks.md).
 DDP_BUCKET_MB = 400
@@ -75,9 +79,12 @@ class StrategyConfig:
     compile_scope: CompileScope | None = None
     # DDP's gradient buckets (DeepSpeed's presets set their own, 2000); see DDP_BUCKET_MB.
     bucket_cap_mb: int = DDP_BUCKET_MB
-    # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like); false keeps
-    # them until the backward (ZeRO-2-like: more memory, one all-gather less per step).
-    reshard_after_forward: bool = True
+    # fsdp: free each block's gathered parameters after its forward (true, ZeRO-3-like); false
+    # keeps them until the backward (ZeRO-2-like: more memory, one all-gather less per step);
+    # auto: false where the memory plan fits it with trainer.micro_batch_size=auto's margin
+    # (dtrain.memory.search.resolve_auto_reshard), else true. false ran 1.02-1.10x faster on
+    # 2x H200 (1b and 8b, bf16 and fp8; docs/benchmarks.md).
+    reshard_after_forward: bool | str = AUTO
     cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer step on the CPU
     activation_checkpointing: ActivationCheckpointingMode = "none"  # fsdp: per block
     replicate_degree: int = 1  # fsdp: > 1 is HSDP (replicate across groups, shard within)
@@ -397,7 +404,6 @@ def from_dictconfig(dcfg: Any) -> TrainConfig:
 # --- validation --------------------------------------------------------------------------
 
 RESUME_CHOICES = ("auto", "never")
-AUTO = "auto"  # trainer.micro_batch_size: resolved by the memory plan before the run is built
 ACTIVATION_CHECKPOINTING = typing.get_args(ActivationCheckpointingMode)
 
 # The valid range of every number in the schema, in one place. validate() checks each value
@@ -589,6 +595,11 @@ def validate_loggers(mc: MetricsConfig) -> None:
 def _validate_strategy(s: StrategyConfig) -> None:
     """What ranges and choices cannot say; which strategy honours which option is checked by
     the strategy."""
+    if isinstance(s.reshard_after_forward, str) and s.reshard_after_forward != AUTO:
+        raise ConfigError(
+            f"strategy.reshard_after_forward={s.reshard_after_forward!r} is not valid; "
+            f"choose true, false or {AUTO}"
+        )
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
 

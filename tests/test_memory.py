@@ -392,8 +392,9 @@ def test_ddp_one_rank_is_exact(tmp_path):
 
 MULTI = [
     pytest.param(["strategy=ddp"], id="ddp"),
-    pytest.param(["strategy=fsdp"], id="fsdp"),
-    pytest.param(["strategy=fsdp", "strategy.reshard_after_forward=false"], id="fsdp-noreshard"),
+    pytest.param(["strategy=fsdp", "strategy.reshard_after_forward=true"], id="fsdp"),
+    # The default, auto: the host's memory holds the blocks kept gathered, so false.
+    pytest.param(["strategy=fsdp"], id="fsdp-auto-noreshard"),
     # On CPU (no overlap_comm) ZeRO-1 holds the full gradients until the boundary reduction.
     pytest.param(["strategy=zero1"], id="zero1"),
     pytest.param(["strategy=zero2"], id="zero2"),
@@ -411,6 +412,8 @@ def test_two_ranks_are_exact(tmp_path, extra):
     res = launch(*FAST, *STEPS, *extra, f"hydra.run.dir={tmp_path}", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     _assert_exact(tmp_path, [*STEPS, *extra], 2)
+    if extra == ["strategy=fsdp"]:
+        assert "strategy.reshard_after_forward=auto: false" in res.stderr + res.stdout
 
 
 FSDP_WORKER = textwrap.dedent(

@@ -137,13 +137,14 @@ def _choices(opts: dict[str, str], key: str, valid: list[str]) -> list[str] | No
 def checked_setup(cfg, world: int, gpu):
     """(cfg, precision, setup) for the plan, refusing what training would refuse before it
     starts, with its words and in its order: the strategy's checks, the batch, then the data's
-    streams. micro_batch_size=auto is resolved as training resolves it."""
+    streams. micro_batch_size=auto and reshard_after_forward=auto are resolved as training
+    resolves them (the last item: one line per decision)."""
     from dataclasses import replace
 
     from dtrain.config import resolve_grad_accum
     from dtrain.data import check_world_size
     from dtrain.memory import plan_precision, resolve_vocab, setup_from_config
-    from dtrain.memory.search import resolve_auto_micro_batch
+    from dtrain.memory.search import resolve_auto_options
     from dtrain.strategies import STRATEGIES
 
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
@@ -152,10 +153,7 @@ def checked_setup(cfg, world: int, gpu):
     if cls is not None:
         cls.check_config(cfg.strategy, precision, "cuda")
         cls.check_world(cfg.strategy, world)
-    auto = cfg.trainer.micro_batch_size == "auto"
-    if auto:
-        mb = resolve_auto_micro_batch(cfg, world, "cuda", gpu=gpu)
-        cfg = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
+    cfg, auto = resolve_auto_options(cfg, world, "cuda", gpu=gpu)
     resolve_grad_accum(cfg.trainer, world)
     check_world_size(cfg.data, world)
     return cfg, precision, setup_from_config(cfg, precision, world, device="cuda"), auto
@@ -194,7 +192,8 @@ def build_plan(argv: list[str]) -> dict:
         "gpu": o.gpu.name,
         "gpu_memory_bytes": o.gpu.memory_bytes,
         "micro_batch_size": t.micro_batch_size,
-        "micro_batch_auto": auto,
+        "micro_batch_auto": any(n.startswith("trainer.micro_batch_size") for n in auto),
+        "auto": auto,
         "seq_len": t.seq_len,
         "grad_accum_steps": setup.grad_accum_steps,
         "activation_checkpointing": setup.activation_checkpointing,
@@ -276,6 +275,7 @@ def render_text(p: dict) -> str:
         f"{p['micro_batch_size']}{' (auto)' if p['micro_batch_auto'] else ''} x {p['seq_len']} "
         f"tokens, accumulation {p['grad_accum_steps']}"
         f" | checkpointing {p['activation_checkpointing']}, compile {p['compile']}",
+        *p.get("auto", []),
         "",
         "memory per GPU (rank 0)",
     ]

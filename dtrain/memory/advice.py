@@ -48,6 +48,8 @@ def _changes(setup: MemorySetup) -> list[MemorySetup]:
         for mode in ("selective", "full"):
             if mode != setup.activation_checkpointing:
                 out.append(replace(setup, strategy=name, activation_checkpointing=mode))
+    if setup.honours("reshard_after_forward") and not setup.reshard_after_forward:
+        out.append(replace(setup, reshard_after_forward=True))  # free blocks after the forward
     for name in searched_strategies(setup.world_size):
         if "params" in STRATEGIES[name].memory_facts(name).shards and name != setup.strategy:
             out.append(replace(setup, strategy=name, activation_checkpointing="none"))

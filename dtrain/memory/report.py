@@ -153,6 +153,9 @@ def run_speed_prediction(
         gpu = gpu_named(torch.cuda.get_device_name(device))
     if gpu is None:
         return None
+    from dtrain.memory.search import resolve_auto_options
+
+    cfg, _ = resolve_auto_options(cfg, world_size, "cuda", gpu=gpu)  # as the run would
     cfg, _, setup = planned_config(cfg, world_size, "cuda")
     if compile_enabled is not None:
         setup = replace(setup, compile=compile_enabled)

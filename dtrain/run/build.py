@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import AUTO, TrainConfig, resolve_grad_accum
+from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.faults import NonfiniteInjector
@@ -92,7 +92,6 @@ def build_run(
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
-    strategy = build_strategy(cfg.strategy, precision, env)
     data = build_data(
         cfg.data,
         seq_len=t.seq_len,
@@ -101,7 +100,8 @@ def build_run(
         is_main=env.is_main,
         run_dir=cfg.run_dir,
     )
-    cfg = with_micro_batch(with_vocab(cfg, data.vocab_size), env)
+    cfg = with_auto_options(with_vocab(cfg, data.vocab_size), env)
+    strategy = build_strategy(cfg.strategy, precision, env)
     t = cfg.trainer
     accum = resolve_grad_accum(t, env.world_size)
     ckpt = CheckpointManager(
@@ -178,22 +178,15 @@ def with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     return replace(cfg, model=replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size))
 
 
-def with_micro_batch(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
-    """trainer.micro_batch_size=auto: the largest micro-batch the memory plan fits on this
-    device with a margin of it left free (the same figure on every rank: the plan is pure)."""
-    if cfg.trainer.micro_batch_size != AUTO:
-        return cfg
-    from dtrain.memory.search import AUTO_MICRO_BATCH_MARGIN, resolve_auto_micro_batch
+def with_auto_options(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
+    """trainer.micro_batch_size=auto and strategy.reshard_after_forward=auto, decided by the
+    memory plan for this device (the same on every rank: the plan is pure), each logged."""
+    from dtrain.memory.search import resolve_auto_options
 
-    mb = resolve_auto_micro_batch(cfg, env.world_size, env.device)
-    log.info(
-        "trainer.micro_batch_size=auto: %d, the largest the memory plan fits on this %s with "
-        "%.0f%% of its memory left free",
-        mb,
-        env.device.type,
-        100 * AUTO_MICRO_BATCH_MARGIN,
-    )
-    return replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
+    cfg, notes = resolve_auto_options(cfg, env.world_size, env.device)
+    for note in notes:
+        log.info("%s", note)
+    return cfg
 
 
 def resume_point(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dtrain import dist as ddist
-from dtrain.config import AUTO, TrainConfig
+from dtrain.config import TrainConfig
 from dtrain.errors import ConfigError, FaultError
 from dtrain.hardware import GpuSpec, gpu_named
 
@@ -37,10 +37,9 @@ def advice_text(cfg: TrainConfig, env: ddist.DistEnv) -> str:
             f"no memory plan for {name} (not in dtrain.hardware's table); "
             "python -m dtrain.cli.plan gpu=... objective=fastest shows what fits a known card"
         )
-    if cfg.trainer.micro_batch_size == AUTO:  # the run stopped before resolving it
-        from dtrain.run.build import with_micro_batch
+    from dtrain.run.build import with_auto_options
 
-        cfg = with_micro_batch(cfg, env)
+    cfg = with_auto_options(cfg, env)  # as the run resolved them (the plan is pure)
     try:
         return oom_advice(cfg, env.world_size, gpu, capacity_bytes=capacity, profile="auto")
     except ConfigError as e:  # a configuration the planner does not cover

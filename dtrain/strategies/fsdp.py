@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
+from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig
 from dtrain.errors import ConfigError
 from dtrain.model import GPT
 from dtrain.precision import (
@@ -79,16 +79,15 @@ def sharded_scaler_optim(precision, optim_cfg: OptimConfig) -> OptimConfig:
     return optim_cfg
 
 
-# Per block: gather its parameters for the forward and again for the backward (prefetched one
-# block ahead), reduce-scatter its gradients after its backward; HSDP then all-reduces each
-# shard across the replicas. The root group's gathers and the first block's reduction have
-# nothing left to hide under.
+# Per block: gather its parameters for the forward (the next block's prefetched under this
+# one's compute) and, resharded after the forward, again for the backward; reduce-scatter its
+# gradients after its backward; HSDP then all-reduces each shard across the replicas. The root
+# group's gathers and the first block's reduction have nothing left to hide under.
 FSDP_GATHER = Collective(
     "all_gather",
     "params",
     "compute",
     group="shard",
-    times=2,
     per_micro=True,
     calls="blocks",
     overlap=0.8,
@@ -96,8 +95,20 @@ FSDP_GATHER = Collective(
     narrow_weights=True,
     why="the next block's gather is prefetched under this block's compute (fitted: 1b, 2x H200)",
 )
+# The backward's gather, where the forward freed the block (reshard_after_forward): keeping the
+# blocks gathered instead ran 1.019x (1b bf16), 1.104x (1b fp8), 1.042x (8b bf16) and 1.022x
+# (8b fp8) faster on 2x H200, a step shorter by 1.1-1.5x this gather's whole time at 1b bf16
+# and 8b (11x at 1b fp8, where the host falls behind: docs/benchmarks.md, "Resharding after
+# the forward"); so none of it is planned as hidden.
+FSDP_REGATHER = replace(
+    FSDP_GATHER,
+    overlap=0.0,
+    window="backward",
+    why="the backward's re-gather shares the links with the reduce-scatters: measured exposed",
+)
 FSDP_COLLECTIVES = (
     FSDP_GATHER,
+    FSDP_REGATHER,
     Collective(
         "reduce_scatter",
         "grads",
@@ -140,9 +151,16 @@ class FSDPStrategy(Strategy):
     def speed_facts(cls, name: str, setup) -> SpeedFacts:
         if getattr(setup, "reshard_after_forward", True):
             return cls.speed
-        # Blocks stay gathered from their forward to their backward: one gather per micro-step.
-        once = replace(FSDP_GATHER, times=1)
-        return replace(cls.speed, collectives=(once, *FSDP_COLLECTIVES[1:]))
+        # Blocks stay gathered from their forward to their backward: no re-gather.
+        kept = tuple(c for c in FSDP_COLLECTIVES if c is not FSDP_REGATHER)
+        return replace(cls.speed, collectives=kept)
+
+    @classmethod
+    def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
+        options = super().memory_options(cfg, device_type)
+        if cfg.reshard_after_forward == AUTO:  # planned as the leaner choice where no device is
+            options["reshard_after_forward"] = True  # known (dtrain.memory.search resolves it)
+        return options
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:
@@ -169,6 +187,9 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor import distribute_tensor
 
+        reshard = self.cfg.reshard_after_forward
+        if reshard == AUTO:  # a bug: dtrain.run.build resolves it from the memory plan
+            raise ValueError("strategy.reshard_after_forward=auto reached the strategy unresolved")
         self.mesh = self.build_mesh()
         p = self.precision
         mp = MixedPrecisionPolicy(
@@ -192,14 +213,12 @@ class FSDPStrategy(Strategy):
             # The last block's parameters are needed again at once by the backward: keeping
             # them gathered saves one all-gather (torchtitan does the same).
             last = i == len(blocks) - 1
-            fully_shard(
-                block, reshard_after_forward=self.cfg.reshard_after_forward and not last, **shard_kw
-            )
+            fully_shard(block, reshard_after_forward=reshard and not last, **shard_kw)
             model.layers[key] = block
         if self.compile_enabled:
             compile_blocks(model, blocks=False)  # the loss (blocks were compiled above)
         # The root takes what is left: embeddings (tied or not), final norm, output layer.
-        fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **shard_kw)
+        fully_shard(model, reshard_after_forward=reshard, **shard_kw)
         if self.grads_on_compute_stream:
             grads_from_compute_pool([model, *model.layers.values()], self.device)
 
