@@ -141,6 +141,10 @@ def test_auto_resharding_keeps_blocks_gathered_only_where_that_fits():
     assert notes == [n for n in notes if n.startswith("strategy.reshard_after_forward=auto: false")]
     tight, notes = resolve_auto_options(cfg, 2, "cuda", capacity_bytes=int((low + high) / 2 / 0.9))
     assert tight.strategy.reshard_after_forward is True and "over the" in notes[0]
+    # offloading asks for the least GPU memory: resharded whatever the room
+    offload = replace(cfg, strategy=replace(cfg.strategy, cpu_offload=True))
+    out, notes = resolve_auto_options(offload, 2, "cuda", capacity_bytes=1000 * GiB)
+    assert out.strategy.reshard_after_forward is True and "cpu_offload" in notes[0]
     # a strategy without the option, and an explicit choice, are left as they are
     ddp = compose(*SHAPE, "strategy=ddp", "trainer.micro_batch_size=8")
     assert resolve_auto_options(ddp, 2, "cuda", capacity_bytes=GiB) == (ddp, [])

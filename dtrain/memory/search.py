@@ -297,14 +297,17 @@ def resolve_auto_options(cfg, world_size: int, device, *, gpu=None, capacity_byt
         and cls is not None
         and "reshard_after_forward" in cls.options
     ):
-        reshard, need, usable = resolve_auto_reshard(cfg, world_size, device, **kw)
+        if s.cpu_offload:  # offloading asks for the least GPU memory: one block gathered
+            reshard, why = True, "strategy.cpu_offload keeps one block gathered at a time"
+        else:
+            reshard, need, usable = resolve_auto_reshard(cfg, world_size, device, **kw)
+            why = (
+                f"the memory plan with the blocks kept gathered to their backward is "
+                f"{need / GiB:.1f} GiB per {where}, {'over' if reshard else 'within'} the "
+                f"{usable / GiB:.1f} GiB usable ({AUTO_MICRO_BATCH_MARGIN:.0%} left free)"
+            )
         cfg = replace(cfg, strategy=replace(s, reshard_after_forward=reshard))
-        notes.append(
-            f"strategy.reshard_after_forward=auto: {str(reshard).lower()}, the memory plan with "
-            f"the blocks kept gathered to their backward is {need / GiB:.1f} GiB per {where}, "
-            f"{'over' if reshard else 'within'} the {usable / GiB:.1f} GiB usable "
-            f"({AUTO_MICRO_BATCH_MARGIN:.0%} left free)"
-        )
+        notes.append(f"strategy.reshard_after_forward=auto: {str(reshard).lower()}, {why}")
     return cfg, notes
 
 
