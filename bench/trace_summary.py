@@ -144,17 +144,25 @@ def host(events: list[dict], steps: int, threads: int = 2) -> list[dict]:
         for e in evs:
             names[e["name"]] += e["dur"]
             counts[e["name"]] += 1
-        out.append({"tid": tid, "busy_ms": busy / 1e3 / steps,
-                    "names": [(n, v / 1e3 / steps, counts[n] / steps)
-                              for n, v in names.most_common()]})
+        out.append(
+            {
+                "tid": tid,
+                "busy_ms": busy / 1e3 / steps,
+                "names": [(n, v / 1e3 / steps, counts[n] / steps) for n, v in names.most_common()],
+            }
+        )
     return sorted(out, key=lambda t: -t["busy_ms"])[:threads]
 
 
 def host_markdown(threads: list[dict], top: int) -> str:
     lines = []
     for t in threads:
-        lines += [f"Host thread {t['tid']}: busy {t['busy_ms']:.1f} ms per step", "",
-                  "| event | ms per step (inclusive) | per step |", "|---|---|---|"]
+        lines += [
+            f"Host thread {t['tid']}: busy {t['busy_ms']:.1f} ms per step",
+            "",
+            "| event | ms per step (inclusive) | per step |",
+            "|---|---|---|",
+        ]
         lines += [f"| `{n[:80]}` | {v:.1f} | {c:g} |" for n, v, c in t["names"][:top]]
         lines.append("")
     return "\n".join(lines)
