@@ -193,13 +193,15 @@ def test_reshard_after_forward_refuses_other_words():
         compose("strategy=fsdp", "strategy.reshard_after_forward=sometimes")
 
 
-def test_fsdp_refuses_an_unresolved_auto_resharding():
-    from dtrain.strategies.fsdp import FSDPStrategy
+def test_an_undecided_auto_resharding_is_the_lean_choice():
+    """A strategy built or planned on its own (no run to size it for the device) reshards."""
+    from dtrain.strategies.fsdp import resharding
 
-    strategy = FSDPStrategy.__new__(FSDPStrategy)
-    strategy.cfg = compose("strategy=fsdp").strategy
-    with pytest.raises(ValueError, match="auto reached the strategy unresolved"):
-        strategy.setup(None, None, 0)
+    assert resharding(compose("strategy=fsdp").strategy) is True
+    assert (
+        resharding(compose("strategy=fsdp", "strategy.reshard_after_forward=false").strategy)
+        is False
+    )
 
 
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():

@@ -131,6 +131,14 @@ FSDP_COLLECTIVES = (
 )
 
 
+def resharding(cfg: StrategyConfig) -> bool:
+    """strategy.reshard_after_forward as a bool. A run decides `auto` from the memory plan
+    before it builds the strategy (dtrain.memory.search.resolve_auto_options); left undecided
+    (a strategy built or planned on its own, with no device to size it for) it is the leaner
+    choice, true."""
+    return True if cfg.reshard_after_forward == AUTO else bool(cfg.reshard_after_forward)
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp")  # hsdp: conf/strategy/hsdp.yaml sets replicate_degree > 1
@@ -157,10 +165,10 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
-        options = super().memory_options(cfg, device_type)
-        if cfg.reshard_after_forward == AUTO:  # planned as the leaner choice where no device is
-            options["reshard_after_forward"] = True  # known (dtrain.memory.search resolves it)
-        return options
+        return {
+            **super().memory_options(cfg, device_type),
+            "reshard_after_forward": resharding(cfg),
+        }
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:
@@ -187,9 +195,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor import distribute_tensor
 
-        reshard = self.cfg.reshard_after_forward
-        if reshard == AUTO:  # a bug: dtrain.run.build resolves it from the memory plan
-            raise ValueError("strategy.reshard_after_forward=auto reached the strategy unresolved")
+        reshard = resharding(self.cfg)
         self.mesh = self.build_mesh()
         p = self.precision
         mp = MixedPrecisionPolicy(
