@@ -37,7 +37,7 @@ from dtrain.profiling import StepProfiler
 from dtrain.reporting.summary import run_hparams
 from dtrain.reporting.tensorboard import run_name
 from dtrain.run.preflight import ResumePoint, resolve_resume
-from dtrain.strategies import Strategy, build_strategy
+from dtrain.strategies import Strategy, build_strategy, strategy_class
 from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
 
 log = logging.getLogger("dtrain")
@@ -92,6 +92,11 @@ def build_run(
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
+    # The strategy's refusals come before the data is built; the strategy itself is built once
+    # the memory plan has decided its auto options.
+    chosen = strategy_class(cfg.strategy.name)
+    chosen.check_config(cfg.strategy, precision, env.device.type)
+    chosen.check_world(cfg.strategy, env.world_size)
     data = build_data(
         cfg.data,
         seq_len=t.seq_len,
