@@ -126,7 +126,12 @@ def host(events: list[dict], steps: int, threads: int = 2) -> list[dict]:
     event names by inclusive ms per step with their count per step."""
     by_tid = collections.defaultdict(list)
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
+        # ProfilerStep#N spans the whole step, idle time included: it is not work
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") in HOST_CATS
+            and not str(e.get("name", "")).startswith("ProfilerStep#")
+        ):
             by_tid[e.get("tid")].append(e)
     out = []
     for tid, evs in by_tid.items():

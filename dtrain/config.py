@@ -64,6 +64,12 @@ class DataConfig:
 # trainer.micro_batch_size and strategy.reshard_after_forward: resolved by the memory plan
 # before the run is built (dtrain.memory.search).
 AUTO = "auto"
+# What the keys that take AUTO accept, said whole when a value is none of it (a type name such
+# as "true/false or a string" would not name auto).
+AUTO_CHOICES = {
+    "strategy.reshard_after_forward": f"true, false or {AUTO}",
+    "trainer.micro_batch_size": f"a positive integer or {AUTO}",
+}
 
 # DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
 # boundary, and small buckets ran slower and held more memory (docs/benchmarks.md).
@@ -325,7 +331,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{key} must be {AUTO_CHOICES.get(key) or _type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -537,11 +543,7 @@ def validate(cfg: TrainConfig) -> None:
     registries when built (they know their own choices)."""
     t, m = cfg.trainer, cfg.model
     check_ranges(cfg)
-    if isinstance(t.micro_batch_size, str) and t.micro_batch_size != AUTO:
-        raise ConfigError(
-            f"trainer.micro_batch_size must be a positive integer or {AUTO}, "
-            f"got {t.micro_batch_size!r}"
-        )
+    _check_auto(cfg)
     check_choices(cfg)
     if t.stop_at_step is not None and t.stop_at_step > t.max_steps:
         raise ConfigError(
@@ -592,14 +594,18 @@ def validate_loggers(mc: MetricsConfig) -> None:
             )
 
 
+def _check_auto(cfg: TrainConfig) -> None:
+    """A string in a key that takes AUTO must be AUTO (the types allow any string)."""
+    for key in AUTO_CHOICES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, str) and value != AUTO:
+            raise ConfigError(f"{key} must be {AUTO_CHOICES[key]}, got {value!r}")
+
+
 def _validate_strategy(s: StrategyConfig) -> None:
     """What ranges and choices cannot say; which strategy honours which option is checked by
     the strategy."""
-    if isinstance(s.reshard_after_forward, str) and s.reshard_after_forward != AUTO:
-        raise ConfigError(
-            f"strategy.reshard_after_forward={s.reshard_after_forward!r} is not valid; "
-            f"choose true, false or {AUTO}"
-        )
     if s.stage is not None and s.stage not in (1, 2, 3):
         raise ConfigError(f"strategy.stage={s.stage} is not a ZeRO stage; choose 1, 2 or 3")
 

@@ -60,9 +60,11 @@ def run(cfg: TrainConfig) -> dict:
                 from dtrain.watchdog import Heartbeat
 
                 heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
+            built = None  # the run, once built: its config is the resolved one
             try:
                 with attention_kernel(cfg.trainer.attention_kernel):
-                    summary = train(build_run(cfg, env, on_exit), stop, heartbeat)
+                    built = build_run(cfg, env, on_exit)
+                    summary = train(built, stop, heartbeat)
                 # gloo's barrier waits for every op still in flight on this rank (FSDP2 issues
                 # async ones): a group torn down with one pending aborted a rank now and then
                 # ("terminate called without an active exception").
@@ -72,7 +74,7 @@ def run(cfg: TrainConfig) -> dict:
                 if heartbeat is not None:  # peers may be mid-collective: no teardown barrier
                     heartbeat.close()
                     heartbeat = None
-                raise out_of_memory(cfg, env, e) from None
+                raise out_of_memory(built.cfg if built else cfg, env, e) from None
             except RuntimeError as e:
                 from dtrain.watchdog import is_timeout
 

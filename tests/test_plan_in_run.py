@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dtrain.errors import FaultError
 from dtrain.hardware import GPUS, GiB
-from tests.conftest import FAST, launch, read_jsonl, train
+from tests.conftest import FAST, compose, launch, read_jsonl, train
 
 QUICK = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
 H100 = GPUS["h100-80gb"]
@@ -30,7 +31,7 @@ def test_auto_micro_batch_is_the_largest_that_fits_and_divides_the_global_batch(
 def test_auto_micro_batch_that_cannot_fit_is_one_line_exit_2(tmp_path, monkeypatch):
     import dtrain.memory.search as search
 
-    monkeypatch.setattr(search, "_capacity", lambda device: 1 * 2**20)  # 1 MiB of "memory"
+    monkeypatch.setattr(search, "device_capacity", lambda device: 1 * 2**20)  # 1 MiB of "memory"
     from dtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="micro_batch_size=auto: no micro-batch fits"):
@@ -197,3 +198,62 @@ def test_deepcompiles_second_compile_is_a_named_slow_step():
         assert (31 + WARMUP in steps) == later
         if later:
             assert "compiling the model again" in steps[31 + WARMUP]
+
+
+def test_auto_resharding_builds_fsdp_as_decided(tmp_path, monkeypatch, capfd):
+    """The decision reaches FSDP itself: the host's memory holds the tiny model's blocks kept
+    gathered, so every block is sharded with reshard_after_forward=False."""
+    import torch.distributed.fsdp as fsdp
+
+    seen = []
+    real = fsdp.fully_shard
+
+    def recording(module, **kw):
+        seen.append(kw["reshard_after_forward"])
+        return real(module, **kw)
+
+    monkeypatch.setattr(fsdp, "fully_shard", recording)
+    train(tmp_path, *QUICK, "strategy=fsdp")
+    assert seen and not any(seen), seen
+    assert capfd.readouterr().err.count("strategy.reshard_after_forward=auto: false") == 1
+
+
+def test_auto_options_are_decided_for_the_smallest_card_of_the_world(monkeypatch):
+    """Each rank reads its own card; with cards of different sizes every rank must still
+    decide the same (FSDP built differently on two ranks would hang its first collective)."""
+    import dtrain.memory.search as search
+    from dtrain import dist as ddist
+    from dtrain.run.build import with_auto_options
+
+    cfg = compose(*FAST, *QUICK, "strategy=fsdp", "trainer.micro_batch_size=auto")
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=256))
+    env = ddist.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+    # This rank has plenty; the other has 64 MiB, too little to keep the blocks gathered at
+    # the micro-batch that fills it.
+    monkeypatch.setattr(search, "device_capacity", lambda device: 64 * 2**30)
+    monkeypatch.setattr(ddist, "all_gather_object", lambda obj: [obj, 64 * 2**20])
+    alone = search.resolve_auto_options(cfg, 2, env.device, capacity_bytes=64 * 2**30)[0]
+    small = search.resolve_auto_options(cfg, 2, env.device, capacity_bytes=64 * 2**20)[0]
+    assert alone.trainer.micro_batch_size != small.trainer.micro_batch_size
+    decided = with_auto_options(cfg, env)
+    assert decided.trainer.micro_batch_size == small.trainer.micro_batch_size
+    assert decided.strategy.reshard_after_forward == small.strategy.reshard_after_forward
+
+
+def test_out_of_memory_advice_plans_the_run_as_it_was_resolved(tmp_path, monkeypatch, capfd):
+    """fsdp with its auto options and a vocab the tokenizer decides: the advice plans the run
+    as built (not the raw config, whose vocab is unknown), and the auto decision is logged once."""
+    import dtrain.run.oom as oom
+
+    monkeypatch.setattr(oom, "device_gpu", lambda device: (H100, 80 * GiB, "NVIDIA H100 80GB"))
+    monkeypatch.setenv("DTRAIN_FAULT", "train.step=oom#2")
+    cfg = compose(*FAST, *QUICK, "strategy=fsdp", "trainer.micro_batch_size=auto")
+    assert cfg.model.vocab_size is None
+    with pytest.raises(FaultError) as e:
+        train(tmp_path, *QUICK, "strategy=fsdp", "trainer.micro_batch_size=auto")
+    assert e.value.exit_code == 3
+    advice = (tmp_path / "oom_advice.txt").read_text()
+    assert advice.startswith("out of memory: ") and "per GPU" in advice, advice
+    err = capfd.readouterr().err
+    assert err.count("strategy.reshard_after_forward=auto:") == 1
+    assert err.count("trainer.micro_batch_size=auto:") == 1

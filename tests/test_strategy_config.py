@@ -11,7 +11,7 @@ from dtrain.dist import DistEnv
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.precision import PRECISIONS
 from dtrain.strategies import build_strategy
-from tests.conftest import FAST, compose, launch
+from tests.conftest import FAST, compose, launch, train
 
 
 def env(world: int) -> DistEnv:
@@ -46,6 +46,8 @@ BAD = [
     (["strategy=ddp", "strategy.offload_optimizer=true"], 2, "does not apply to strategy=ddp"),
     (["strategy=fsdp", "strategy.offload_params=true"], 2, "does not apply to strategy=fsdp"),
     (["strategy=single", "strategy.cpu_offload=true"], 1, "does not apply to strategy=single"),
+    # written as on the command line, not as Python prints a bool
+    (["strategy=ddp", "strategy.reshard_after_forward=false"], 2, "reshard_after_forward=false "),
     (["strategy=zero2", "strategy.stage=3"], 2, "use strategy=zero3"),
     (["strategy=zero2", "strategy.offload_params=true"], 2, "needs ZeRO stage 3"),
     (["strategy=fsdp", "strategy.compile_scope=model"], 2, "does not apply to strategy=fsdp"),
@@ -62,6 +64,15 @@ BAD = [
         "cannot go with strategy.compile=false",
     ),
 ]
+
+
+def test_resharding_pinned_true_is_no_request_of_a_strategy_that_does_not_shard():
+    """true was the default before auto: sweeps that pin it over every strategy still run."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    for name, world in (("single", 1), ("ddp", 2), ("zero2", 2)):
+        s = strategy([f"strategy={name}", "strategy.reshard_after_forward=true"], world)
+        assert s.cfg.reshard_after_forward is True
 
 
 @pytest.mark.parametrize("overrides,world,message", BAD, ids=[" ".join(b[0]) for b in BAD])
@@ -219,7 +230,7 @@ def test_compile_scope_decides_what_is_compiled(monkeypatch, name, scope, whole,
         assert [c for c in compiled if c is s.module or c == "ddp"] == ["ddp", s.module]
 
 
-def test_without_deepspeed_zero_says_how_to_install(monkeypatch):
+def test_without_deepspeed_zero_says_how_to_install(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a)
@@ -227,6 +238,10 @@ def test_without_deepspeed_zero_says_how_to_install(monkeypatch):
     with pytest.raises(ConfigError) as e:
         strategy(["strategy=zero2"])
     assert str(e.value) == "strategy=zero2 needs DeepSpeed: pip install 'dtrain[deepspeed]'"
+    # A run says so before it builds (and maybe downloads or tokenizes) its data: the data
+    # named here does not exist, and it is not what the run stops on.
+    with pytest.raises(ConfigError, match="needs DeepSpeed"):
+        train(tmp_path, "strategy=zero2", "data=local", f"data.files={tmp_path}/none.txt")
 
 
 def test_a_native_deepspeed_checkpoint_is_refused_with_what_to_run(tmp_path):

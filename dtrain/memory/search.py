@@ -300,12 +300,15 @@ def resolve_auto_options(cfg, world_size: int, device, *, gpu=None, capacity_byt
         if s.cpu_offload:  # offloading asks for the least GPU memory: one block gathered
             reshard, why = True, "strategy.cpu_offload keeps one block gathered at a time"
         else:
-            reshard, need, usable = resolve_auto_reshard(cfg, world_size, device, **kw)
-            why = (
-                f"the memory plan with the blocks kept gathered to their backward is "
-                f"{need / GiB:.1f} GiB per {where}, {'over' if reshard else 'within'} the "
-                f"{usable / GiB:.1f} GiB usable ({AUTO_MICRO_BATCH_MARGIN:.0%} left free)"
-            )
+            try:
+                reshard, need, usable = resolve_auto_reshard(cfg, world_size, device, **kw)
+                why = (
+                    f"the memory plan with the blocks kept gathered to their backward is "
+                    f"{need / GiB:.1f} GiB per {where}, {'over' if reshard else 'within'} the "
+                    f"{usable / GiB:.1f} GiB usable ({AUTO_MICRO_BATCH_MARGIN:.0%} left free)"
+                )
+            except ConfigError as e:  # a run the planner does not cover still trains, lean
+                reshard, why = True, f"the memory plan does not cover this run ({e})"
         cfg = replace(cfg, strategy=replace(s, reshard_after_forward=reshard))
         notes.append(f"strategy.reshard_after_forward=auto: {str(reshard).lower()}, {why}")
     return cfg, notes
@@ -344,11 +347,12 @@ def resolve_auto_reshard(
 def _usable(device, gpu, capacity_bytes: int | None, margin: float) -> tuple[int, int]:
     """(the device's bytes, what is left of them less `margin`): `capacity_bytes`, else
     `gpu`'s (a GpuSpec), else what CUDA reports for `device`, else the host's memory on CPU."""
-    total = capacity_bytes or (gpu.memory_bytes if gpu is not None else _capacity(device))
+    total = capacity_bytes or (gpu.memory_bytes if gpu is not None else device_capacity(device))
     return total, int(total * (1 - margin))
 
 
-def _capacity(device) -> int:
+def device_capacity(device) -> int:
+    """The bytes of `device`: CUDA's total memory, or the host's on CPU."""
     import torch
 
     if getattr(device, "type", str(device)).startswith("cuda"):

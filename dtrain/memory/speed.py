@@ -210,9 +210,14 @@ def collective_bytes(cfg: ModelConfig, c: Collective, setup: MemorySetup) -> flo
     pr = setup.precision
     n_params = count_params(cfg)
     elem = (pr.compute_dtype if c.dtype == "compute" else pr.reduce_dtype).itemsize
-    total = n_params * elem
+    blocks = cfg.n_layer
+    if c.payload == "resharded":  # the freed blocks' linears (their norms are noise)
+        blocks = max(0, cfg.n_layer - 1)
+        total = blocks * linear_params_per_block(cfg)[0] * elem
+    else:
+        total = n_params * elem
     if c.narrow_weights and getattr(pr, "fp8_weight_gather", False):
-        lin = cfg.n_layer * linear_params_per_block(cfg)[0]
+        lin = blocks * linear_params_per_block(cfg)[0]
         total -= lin * (elem - 1)  # linear weights travel as fp8
     if c.payload == "shard":
         total /= max(1, group_size(replace(c, group="shard"), setup))
@@ -231,6 +236,8 @@ def collective_time(cfg: ModelConfig, c: Collective, setup: MemorySetup, machine
     steps = (2 if c.op == "all_reduce" else 1) * (n - 1)
     if c.calls == "blocks":
         calls = cfg.n_layer + 1
+    elif c.calls == "resharded":
+        calls = max(0, cfg.n_layer - 1)
     elif c.calls == "buckets":
         calls = max(1, math.ceil(nbytes / _bucket_bytes(setup)))
     else:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import TrainConfig, resolve_grad_accum
+from dtrain.config import AUTO, TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.faults import NonfiniteInjector
@@ -95,6 +95,7 @@ def build_run(
     # The strategy's refusals come before the data is built; the strategy itself is built once
     # the memory plan has decided its auto options.
     chosen = strategy_class(cfg.strategy.name)
+    chosen.check_installed(cfg.strategy)
     chosen.check_config(cfg.strategy, precision, env.device.type)
     chosen.check_world(cfg.strategy, env.world_size)
     data = build_data(
@@ -185,10 +186,15 @@ def with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
 
 def with_auto_options(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
     """trainer.micro_batch_size=auto and strategy.reshard_after_forward=auto, decided by the
-    memory plan for this device (the same on every rank: the plan is pure), each logged."""
-    from dtrain.memory.search import resolve_auto_options
+    memory plan for the smallest device of the world (each logged): the plan is pure, so every
+    rank decides the same, even on cards of different sizes, where deciding by each rank's own
+    card would build FSDP differently on each and hang its first collective."""
+    from dtrain.memory.search import device_capacity, resolve_auto_options
 
-    cfg, notes = resolve_auto_options(cfg, env.world_size, env.device)
+    if AUTO not in (cfg.trainer.micro_batch_size, cfg.strategy.reshard_after_forward):
+        return cfg  # nothing to decide (and no collective: every rank has the same config)
+    capacity = min(ddist.all_gather_object(device_capacity(env.device)))
+    cfg, notes = resolve_auto_options(cfg, env.world_size, env.device, capacity_bytes=capacity)
     for note in notes:
         log.info("%s", note)
     return cfg

@@ -37,10 +37,15 @@ def advice_text(cfg: TrainConfig, env: ddist.DistEnv) -> str:
             f"no memory plan for {name} (not in dtrain.hardware's table); "
             "python -m dtrain.cli.plan gpu=... objective=fastest shows what fits a known card"
         )
-    from dtrain.run.build import with_auto_options
+    from dtrain.memory.search import resolve_auto_options
 
-    cfg = with_auto_options(cfg, env)  # as the run resolved them (the plan is pure)
     try:
+        # `cfg` is the built run's, its auto options decided, unless the build itself ran out;
+        # then they are decided here for this card alone: no collective, since the other
+        # ranks may be waiting in one.
+        cfg, _ = resolve_auto_options(
+            cfg, env.world_size, env.device, gpu=gpu, capacity_bytes=capacity
+        )
         return oom_advice(cfg, env.world_size, gpu, capacity_bytes=capacity, profile="auto")
     except ConfigError as e:  # a configuration the planner does not cover
         return f"no advice for this run: {e}"
@@ -49,7 +54,8 @@ def advice_text(cfg: TrainConfig, env: ddist.DistEnv) -> str:
 def out_of_memory(cfg: TrainConfig, env: ddist.DistEnv, err: BaseException) -> FaultError:
     """The error to stop with (exit 3, on whichever rank ran out): one line, the advice logged
     in full and written to the run dir. Nothing is saved: the state may be mid-step, and the
-    other ranks may be waiting in a collective; the last checkpoint stays the resume point."""
+    other ranks may be waiting in a collective; the last checkpoint stays the resume point.
+    `cfg`: the built run's (its vocab and auto options resolved), else the one it came from."""
     if env.device.type == "cuda":
         torch.cuda.empty_cache()  # what the failed step held, so the report itself can run
     advice = advice_text(cfg, env)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import ModelConfig, OptimConfig, StrategyConfig
+from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
@@ -70,8 +70,12 @@ class Collective:
     group: str = "world"
     times: int = 1  # how often per micro-step (per_micro) or per optimizer step
     per_micro: bool = False  # on every micro-step (gathers), else once per optimizer step
-    payload: str = "full"  # "full": the model's tensors; "shard": one shard group's slice
-    calls: str = "once"  # "blocks" (one per block + the root), "buckets" or "once": latency
+    # "full": the model's tensors; "shard": one shard group's slice; "resharded": the blocks
+    # the forward freed (all but the last; the root and the last block stay gathered)
+    payload: str = "full"
+    # latency: "blocks" (one call per block + the root), "resharded" (one per freed block),
+    # "buckets" or "once"
+    calls: str = "once"
     overlap: float = 0.0  # share of its time run under compute (the rest is exposed)
     window: str = "backward"  # the compute it can hide under: "backward" or "step" (fwd + bwd)
     narrow_weights: bool = False  # fp8 (tensorwise) linear weights travel in 1 byte
@@ -156,6 +160,18 @@ OPTIONAL_KEYS = tuple(
     f.name for f in fields(StrategyConfig) if f.name not in ("name", "compile", "bucket_cap_mb")
 )
 
+# The values of an optional key that ask nothing of a strategy that does not honour it: its
+# default, and for reshard_after_forward true too (its default before auto: a sweep pinning it
+# over every strategy keeps working).
+UNASKED = {"reshard_after_forward": (AUTO, True)}
+
+
+def _yaml(value) -> str:
+    """A value as it is written on the command line (true, null), not as Python prints it."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
+
 
 class Strategy:
     name = "single"  # what the logs and checkpoint manifests call it
@@ -195,12 +211,14 @@ class Strategy:
         check_strategy(precision, cls, cfg.name)
         default = StrategyConfig()
         for key in OPTIONAL_KEYS:
-            if key not in cls.options and getattr(cfg, key) != getattr(default, key):
-                honoured = ", ".join(cls.options) or "none of them"
-                raise ConfigError(
-                    f"strategy.{key}={getattr(cfg, key)!r} does not apply to "
-                    f"strategy={cfg.name}; its options: {honoured}"
-                )
+            value = getattr(cfg, key)
+            if key in cls.options or value in UNASKED.get(key, (getattr(default, key),)):
+                continue
+            honoured = ", ".join(cls.options) or "none of them"
+            raise ConfigError(
+                f"strategy.{key}={_yaml(value)} does not apply to "
+                f"strategy={cfg.name}; its options: {honoured}"
+            )
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int) -> None:
@@ -211,7 +229,12 @@ class Strategy:
                 f"use strategy=ddp (or another multi-rank strategy) under torchrun"
             )
 
+    @classmethod
+    def check_installed(cls, cfg: StrategyConfig) -> None:
+        """The libraries this strategy needs to run (the planner plans it without them)."""
+
     def check(self) -> None:
+        self.check_installed(self.cfg)
         self.check_config(self.cfg, self.precision, self.device.type)
         self.check_world(self.cfg, self.env.world_size)
 

@@ -267,11 +267,11 @@ class DeepSpeedStrategy(Strategy):
                 "keeps full parameters on every rank"
             )
 
-    def check(self) -> None:
-        super().check()
+    @classmethod
+    def check_installed(cls, cfg: StrategyConfig) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
-                f"strategy={self.cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
+                f"strategy={cfg.name} needs DeepSpeed: pip install 'dtrain[deepspeed]'"
             )
 
     @property

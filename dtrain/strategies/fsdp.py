@@ -102,6 +102,8 @@ FSDP_GATHER = Collective(
 # the forward"); so none of it is planned as hidden.
 FSDP_REGATHER = replace(
     FSDP_GATHER,
+    payload="resharded",  # the last block and the root stay gathered for the backward
+    calls="resharded",
     overlap=0.0,
     window="backward",
     why="the backward's re-gather shares the links with the reduce-scatters: measured exposed",
