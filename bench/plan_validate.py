@@ -85,7 +85,6 @@ def rows_from_runs(run_dirs: list[str]) -> list[dict]:
         steady = [r["tokens_per_s_per_gpu"] for r in recs if "loss" in r][1:]
         measured = statistics.median(steady) if steady else None
         world = int(run.get("world_size", 1))
-        shape = f"{run.get('micro_batch_size', '?')}x{run.get('seq_len', '?')}"
         rows.append(
             {
                 "name": Path(d).name,
@@ -95,8 +94,12 @@ def rows_from_runs(run_dirs: list[str]) -> list[dict]:
                 "precision": run.get("precision", "?"),
                 "nproc": world,
                 "gpu": run.get("gpu", "?"),
-                # picks compare runs of one model, world size, card and batch shape only
-                "group": f"{run.get('model', '?')} x{world} {run.get('gpu', '?')} {shape}",
+                # picks compare runs of one model, world size, card and sequence length (one
+                # job); the micro-batch is one of the plan's choices (objective=fastest), so
+                # runs at different ones compete
+                "group": f"{run.get('model', '?')} x{world} {run.get('gpu', '?')} "
+                f"seq {run.get('seq_len', '?')}",
+                "micro_batch_size": run.get("micro_batch_size"),
                 "tokens_per_s_per_gpu": measured,
                 "predicted_tokens_per_s_per_gpu": predicted,
                 "status": "ok"
@@ -184,14 +187,15 @@ def markdown(rows: list[dict], summaries: dict, args, device: str) -> str:
         "",
         f"Command: `python bench/plan_validate.py {' '.join(sys.argv[1:])}`",
         "",
-        "| model | strategy | precision | GPUs | measured | predicted (datasheet) | error "
-        "| predicted (profile) | error | status |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | strategy | precision | GPUs | micro-batch | measured | predicted (datasheet) "
+        "| error | predicted (profile) | error | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cell = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['precision']} | {r['nproc']} | "
+            f"{r.get('micro_batch_size') or '-'} | "
             f"{cell(r.get('tokens_per_s_per_gpu'), '{:,.0f}')} | "
             f"{cell(r.get('predicted_tokens_per_s_per_gpu'), '{:,.0f}')} | "
             f"{cell(r.get('predicted_error_pct'), '{:+.1f}%')} | "

@@ -611,9 +611,29 @@ def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
     # bf16 -2.5%, fp8 -4.1%, int8 +31%: 2 of 3 within 15%; the plan picks int8 (80k predicted),
     # which ran at 61/74 of the fastest (fp8): outside 5%
     assert (s["points"], s["within_band"]) == (3, 2)
-    (group,) = s["picks"]  # one model, world size, card and batch shape
-    assert group == "1b x1 NVIDIA H200 8x2048"
+    (group,) = s["picks"]  # one model, world size, card and sequence length
+    assert group == "1b x1 NVIDIA H200 seq 2048"
     assert s["picks"][group]["pick"] == "single1b_int8" and not s["picks"][group]["within"]
+
+
+def test_validation_picks_compare_micro_batches_of_one_job(tmp_path):
+    """objective=fastest chooses the micro-batch too: runs at different micro-batches of one
+    model, world size, card and sequence length are one group, the plan's pick among them the
+    one it predicts fastest; another sequence length is another job."""
+    runs = tmp_path / "runs"
+    _logged_run(runs / "fp8_mb8", "1b", "single", "fp8", 1, 70800, [700, 73400, 73400])
+    _logged_run(runs / "fp8_mb33", "1b", "single", "fp8", 1, 76100, [3000, 80600, 80600])
+    _logged_run(runs / "bf16_seq4k", "1b", "single", "bf16", 1, 90000, [3000, 50000, 50000])
+    for name, mb, seq in (("fp8_mb33", 33, 2048), ("bf16_seq4k", 8, 4096)):
+        path = runs / name / "metrics.jsonl"
+        recs = [json.loads(x) for x in path.read_text().splitlines()]
+        recs[0]["run"] |= {"micro_batch_size": mb, "seq_len": seq}
+        path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    data = run_plan_validate(tmp_path / "out", "--from-runs", *map(str, sorted(runs.iterdir())))
+    picks = data["summary"]["datasheet"]["picks"]
+    assert sorted(picks) == ["1b x1 NVIDIA H200 seq 2048", "1b x1 NVIDIA H200 seq 4096"]
+    one_job = picks["1b x1 NVIDIA H200 seq 2048"]
+    assert one_job["pick"] == "fp8_mb33" and one_job["within"]
     assert "NVIDIA H200" in (tmp_path / "out" / "plan_validate.md").read_text()
 
 

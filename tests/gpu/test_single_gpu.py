@@ -11,8 +11,19 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, cli_env
-from tests.gpu.common import EAGER, MEMORY_1B, STEPS, last, losses, record, run, shared_run
+from tests.conftest import ROOT, cli_env, launch
+from tests.gpu.common import (
+    EAGER,
+    MEMORY_1B,
+    STEPS,
+    last,
+    losses,
+    merged,
+    one_gpu_env,
+    record,
+    run,
+    shared_run,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -160,3 +171,26 @@ def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
     logged = max(m["peak_allocated_bytes"] for m in last(recs, "memory_per_rank"))
     assert abs(t["peak_allocated"] - logged) <= 0.02 * logged, (t["peak_allocated"], logged)
     assert t["at_peak"]["largest"] and all(x["where"] for x in t["at_peak"]["largest"])
+
+
+@pytest.mark.xdist_group("memory_1b")
+def test_a_real_out_of_memory_under_fsdp_is_exit_3_with_advice(tmp_path, results):
+    """A CUDA OOM, not an injected one: model=1b at micro-batch 96 x 2048 under fsdp (its auto
+    options resolved, the vocab the data's) on one GPU. One error line, exit 3, and the advice
+    planned for the run as built: what fits instead, in the run dir."""
+    args = merged(
+        *MEMORY_1B,
+        "strategy=fsdp",
+        "strategy.compile=false",  # runs out in the first forward, not after compiling
+        "trainer.micro_batch_size=96",
+    )
+    res = launch(*args, f"hydra.run.dir={tmp_path}", env_extra=one_gpu_env(), timeout=600)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    advice_file = tmp_path / "oom_advice.txt"
+    advice = advice_file.read_text() if advice_file.exists() else ""
+    record(results, "oom/1b-fsdp", {"rc": res.returncode, "advice": advice[:2000]})
+    assert res.returncode == 3, res.stderr[-4000:]
+    assert len(errors) == 1 and "ran out of memory" in errors[0], res.stderr[-4000:]
+    assert "Traceback" not in res.stderr
+    assert advice.startswith("out of memory: ") and "per GPU" in advice, advice
+    assert "trainer.micro_batch_size=" in advice, advice  # a smaller micro-batch that fits
