@@ -191,7 +191,11 @@ def with_auto_options(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
     card would build FSDP differently on each and hang its first collective."""
     from dtrain.memory.search import device_capacity, resolve_auto_options
 
-    if AUTO not in (cfg.trainer.micro_batch_size, cfg.strategy.reshard_after_forward):
+    s = cfg.strategy
+    reshard = s.reshard_after_forward == AUTO and "reshard_after_forward" in (
+        strategy_class(s.name).options
+    )
+    if cfg.trainer.micro_batch_size != AUTO and not reshard:
         return cfg  # nothing to decide (and no collective: every rank has the same config)
     capacity = min(ddist.all_gather_object(device_capacity(env.device)))
     cfg, notes = resolve_auto_options(cfg, env.world_size, env.device, capacity_bytes=capacity)
