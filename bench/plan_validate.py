@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for p in grid(args.models, args.strategies, args.precisions, args.nprocs):
         row = run_point(p, point_args(args, p["model"]), out)
+        row["micro_batch_size"] = point_args(args, p["model"]).micro_batch
         row["predicted_tokens_per_s_per_gpu"] = predict(p, args, None)
         if args.profile:
             row["profile_tokens_per_s_per_gpu"] = predict(p, args, args.profile)

@@ -301,6 +301,13 @@ class TrainConfig:
 # --- dict -> dataclass, with messages a person can act on ---------------------------------
 
 
+def yaml_value(value) -> str:
+    """A value as it is written on the command line (true, null), not as Python prints it."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
+
+
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (list, tuple):
         return "a list"
@@ -331,7 +338,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{key} must be {AUTO_CHOICES.get(key) or _type_name(tp)}, got {value!r}")
+        must = AUTO_CHOICES.get(key) or _type_name(tp)
+        raise ConfigError(f"{key} must be {must}, got {yaml_value(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -355,7 +363,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif origin is dict:
         if isinstance(value, dict):
             return dict(value)
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {yaml_value(value)}")
 
 
 def build_dataclass(cls: type, data: dict | None, prefix: str = "") -> Any:
@@ -600,7 +608,7 @@ def _check_auto(cfg: TrainConfig) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if isinstance(value, str) and value != AUTO:
-            raise ConfigError(f"{key} must be {AUTO_CHOICES[key]}, got {value!r}")
+            raise ConfigError(f"{key} must be {AUTO_CHOICES[key]}, got {yaml_value(value)}")
 
 
 def _validate_strategy(s: StrategyConfig) -> None:

@@ -21,7 +21,7 @@ from dtrain.errors import FaultError
 from dtrain.faults import point
 from dtrain.optim import lr_at
 from dtrain.preemption import OrphanWatch, StopSignal
-from dtrain.run.build import Run, build_run
+from dtrain.run.build import Resolved, Run, build_run
 from dtrain.run.gc_schedule import GcSchedule
 from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
@@ -60,11 +60,10 @@ def run(cfg: TrainConfig) -> dict:
                 from dtrain.watchdog import Heartbeat
 
                 heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
-            built = None  # the run, once built: its config is the resolved one
+            resolved = Resolved(cfg)  # the config as the build resolves it, for OOM advice
             try:
                 with attention_kernel(cfg.trainer.attention_kernel):
-                    built = build_run(cfg, env, on_exit)
-                    summary = train(built, stop, heartbeat)
+                    summary = train(build_run(cfg, env, on_exit, resolved), stop, heartbeat)
                 # gloo's barrier waits for every op still in flight on this rank (FSDP2 issues
                 # async ones): a group torn down with one pending aborted a rank now and then
                 # ("terminate called without an active exception").
@@ -74,7 +73,7 @@ def run(cfg: TrainConfig) -> dict:
                 if heartbeat is not None:  # peers may be mid-collective: no teardown barrier
                     heartbeat.close()
                     heartbeat = None
-                raise out_of_memory(built.cfg if built else cfg, env, e) from None
+                raise out_of_memory(resolved.cfg, env, e) from None
             except RuntimeError as e:
                 from dtrain.watchdog import is_timeout
 

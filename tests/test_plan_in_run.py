@@ -249,6 +249,11 @@ def test_out_of_memory_advice_plans_the_run_as_it_was_resolved(tmp_path, monkeyp
     monkeypatch.setenv("DTRAIN_FAULT", "train.step=oom#2")
     cfg = compose(*FAST, *QUICK, "strategy=fsdp", "trainer.micro_batch_size=auto")
     assert cfg.model.vocab_size is None
+    planned = []
+    real_advice = oom.advice_text
+    monkeypatch.setattr(
+        oom, "advice_text", lambda cfg, env: planned.append(cfg) or real_advice(cfg, env)
+    )
     with pytest.raises(FaultError) as e:
         train(tmp_path, *QUICK, "strategy=fsdp", "trainer.micro_batch_size=auto")
     assert e.value.exit_code == 3
@@ -257,3 +262,26 @@ def test_out_of_memory_advice_plans_the_run_as_it_was_resolved(tmp_path, monkeyp
     err = capfd.readouterr().err
     assert err.count("strategy.reshard_after_forward=auto:") == 1
     assert err.count("trainer.micro_batch_size=auto:") == 1
+    # what the advice was given: the run as built, not the raw config
+    (given,) = planned
+    assert given.model.vocab_size is not None
+    assert isinstance(given.trainer.micro_batch_size, int)
+    assert isinstance(given.strategy.reshard_after_forward, bool)
+
+
+def test_nothing_to_decide_needs_no_collective(monkeypatch):
+    """No auto option to decide, no capacity gathered: ddp's reshard_after_forward=auto (it
+    does not honour it) and fsdp's pinned one, each with a fixed micro-batch."""
+    from dtrain import dist as ddist
+    from dtrain.run.build import with_auto_options
+
+    def no_collective(obj):
+        raise AssertionError("a collective with nothing to decide")
+
+    monkeypatch.setattr(ddist, "all_gather_object", no_collective)
+    env = ddist.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+    for extra in (["strategy=ddp"], ["strategy=fsdp", "strategy.reshard_after_forward=true"]):
+        cfg = compose(*FAST, *extra)
+        assert with_auto_options(cfg, env) is cfg
+    with pytest.raises(AssertionError, match="nothing to decide"):  # fsdp's default: auto
+        with_auto_options(compose(*FAST, "strategy=fsdp"), env)

@@ -91,7 +91,7 @@ def test_ddp_adds_its_exposed_all_reduce_by_the_ring_formula():
     assert single.comm_s == 0 and four.step_s > single.step_s
 
 
-def test_fsdp_moves_three_times_the_parameters_over_the_ring():
+def test_fsdp_gathers_twice_what_the_forward_freed_and_reduces_once_over_the_ring():
     """Gather for the forward, reduce-scatter the gradients: 2 x params x (n-1)/n; and gather
     again for the backward what the forward freed: every block but the last (the root and the
     last block stay gathered), their linears' weights."""
@@ -205,11 +205,11 @@ def test_reshard_after_forward_refuses_other_words():
         compose("strategy=fsdp", "strategy.reshard_after_forward=sometimes")
     # null is no choice here: the message names auto, not "a string"
     with pytest.raises(
-        ConfigError, match="reshard_after_forward must be true, false or auto, got None"
+        ConfigError, match="reshard_after_forward must be true, false or auto, got null"
     ):
         compose("strategy=fsdp", "strategy.reshard_after_forward=null")
     with pytest.raises(
-        ConfigError, match="micro_batch_size must be a positive integer or auto, got None"
+        ConfigError, match="micro_batch_size must be a positive integer or auto, got null"
     ):
         compose("trainer.micro_batch_size=null")
 

@@ -275,6 +275,22 @@ def resolve_auto_micro_batch(
     )
 
 
+def auto_to_decide(cfg) -> bool:
+    """Whether the config leaves the memory plan anything to decide: trainer.micro_batch_size
+    =auto, or strategy.reshard_after_forward=auto under a strategy that honours it."""
+    return cfg.trainer.micro_batch_size == AUTO or _reshard_to_decide(cfg)
+
+
+def _reshard_to_decide(cfg) -> bool:
+    s = cfg.strategy
+    cls = STRATEGIES.get(s.name)
+    return (
+        s.reshard_after_forward == AUTO
+        and cls is not None
+        and "reshard_after_forward" in cls.options
+    )
+
+
 def resolve_auto_options(cfg, world_size: int, device, *, gpu=None, capacity_bytes=None):
     """(cfg with trainer.micro_batch_size=auto and, where the strategy honours it,
     strategy.reshard_after_forward=auto decided, one line per decision): the micro-batch
@@ -283,20 +299,17 @@ def resolve_auto_options(cfg, world_size: int, device, *, gpu=None, capacity_byt
     notes = []
     kw = {"gpu": gpu, "capacity_bytes": capacity_bytes}
     where = getattr(device, "type", str(device)).split(":")[0]
+    # a run decides for its smallest card (dtrain.run.build.with_auto_options)
+    on = f"this {where}" if world_size == 1 else f"every {where} of the {world_size}"
     if cfg.trainer.micro_batch_size == AUTO:
         mb = resolve_auto_micro_batch(cfg, world_size, device, **kw)
         cfg = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
         notes.append(
-            f"trainer.micro_batch_size=auto: {mb}, the largest the memory plan fits on this "
-            f"{where} with {AUTO_MICRO_BATCH_MARGIN:.0%} of its memory left free"
+            f"trainer.micro_batch_size=auto: {mb}, the largest the memory plan fits on {on} "
+            f"with {AUTO_MICRO_BATCH_MARGIN:.0%} of its memory left free"
         )
     s = cfg.strategy
-    cls = STRATEGIES.get(s.name)
-    if (
-        s.reshard_after_forward == AUTO
-        and cls is not None
-        and "reshard_after_forward" in cls.options
-    ):
+    if _reshard_to_decide(cfg):
         if s.cpu_offload:  # offloading asks for the least GPU memory: one block gathered
             reshard, why = True, "strategy.cpu_offload keeps one block gathered at a time"
         else:

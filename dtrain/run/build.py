@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import AUTO, TrainConfig, resolve_grad_accum
+from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.faults import NonfiniteInjector
@@ -82,13 +82,27 @@ def setup_logging(is_main: bool) -> None:
     log.setLevel(level)
 
 
+@dataclass
+class Resolved:
+    """The run's config as build_run has resolved it so far (the architecture of
+    model.init_from, the vocab, the auto options): what an out-of-memory error during the
+    build or the steps is planned for."""
+
+    cfg: TrainConfig
+
+
 def build_run(
-    cfg: TrainConfig, env: ddist.DistEnv, on_exit: contextlib.ExitStack | None = None
+    cfg: TrainConfig,
+    env: ddist.DistEnv,
+    on_exit: contextlib.ExitStack | None = None,
+    resolved: Resolved | None = None,
 ) -> Run:
-    """Build every piece of the run in order; resumes its state from the resume point."""
+    """Build every piece of the run in order; resumes its state from the resume point.
+    `resolved.cfg` follows the config as it is resolved."""
+    resolved = resolved or Resolved(cfg)
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
-    cfg = with_init_from(cfg)
+    cfg = resolved.cfg = with_init_from(cfg)
     t = cfg.trainer
     precision = build_precision(cfg.precision, env.device)
     precision.apply_backend_flags(env.device)
@@ -106,7 +120,7 @@ def build_run(
         is_main=env.is_main,
         run_dir=cfg.run_dir,
     )
-    cfg = with_auto_options(with_vocab(cfg, data.vocab_size), env)
+    cfg = resolved.cfg = with_auto_options(with_vocab(cfg, data.vocab_size), env)
     strategy = build_strategy(cfg.strategy, precision, env)
     t = cfg.trainer
     accum = resolve_grad_accum(t, env.world_size)
@@ -189,14 +203,10 @@ def with_auto_options(cfg: TrainConfig, env: ddist.DistEnv) -> TrainConfig:
     memory plan for the smallest device of the world (each logged): the plan is pure, so every
     rank decides the same, even on cards of different sizes, where deciding by each rank's own
     card would build FSDP differently on each and hang its first collective."""
-    from dtrain.memory.search import device_capacity, resolve_auto_options
+    from dtrain.memory.search import auto_to_decide, device_capacity, resolve_auto_options
 
-    s = cfg.strategy
-    reshard = s.reshard_after_forward == AUTO and "reshard_after_forward" in (
-        strategy_class(s.name).options
-    )
-    if cfg.trainer.micro_batch_size != AUTO and not reshard:
-        return cfg  # nothing to decide (and no collective: every rank has the same config)
+    if not auto_to_decide(cfg):
+        return cfg  # no collective either: every rank has the same config, so skips alike
     capacity = min(ddist.all_gather_object(device_capacity(env.device)))
     cfg, notes = resolve_auto_options(cfg, env.world_size, env.device, capacity_bytes=capacity)
     for note in notes:

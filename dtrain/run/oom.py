@@ -40,9 +40,9 @@ def advice_text(cfg: TrainConfig, env: ddist.DistEnv) -> str:
     from dtrain.memory.search import resolve_auto_options
 
     try:
-        # `cfg` is the built run's, its auto options decided, unless the build itself ran out;
-        # then they are decided here for this card alone: no collective, since the other
-        # ranks may be waiting in one.
+        # `cfg` is resolved as far as the build got (dtrain.run.build.Resolved); auto options
+        # not decided yet are decided here for this card alone: no collective, since the
+        # other ranks may be waiting in one.
         cfg, _ = resolve_auto_options(
             cfg, env.world_size, env.device, gpu=gpu, capacity_bytes=capacity
         )
@@ -55,14 +55,16 @@ def out_of_memory(cfg: TrainConfig, env: ddist.DistEnv, err: BaseException) -> F
     """The error to stop with (exit 3, on whichever rank ran out): one line, the advice logged
     in full and written to the run dir. Nothing is saved: the state may be mid-step, and the
     other ranks may be waiting in a collective; the last checkpoint stays the resume point.
-    `cfg`: the built run's (its vocab and auto options resolved), else the one it came from."""
+    `cfg`: the run's config as resolved as far as the build got (dtrain.run.build.Resolved)."""
     if env.device.type == "cuda":
         torch.cuda.empty_cache()  # what the failed step held, so the report itself can run
     advice = advice_text(cfg, env)
     path = Path(cfg.run_dir) / ADVICE_FILE
     tmp = path.with_name(f".{ADVICE_FILE}.{env.rank}.{os.getpid()}")
     tmp.write_text(advice + "\n")
-    os.replace(tmp, path)  # every rank writes the same text: the last rename wins whole
+    # Each rank that ran out writes the advice for its own card (the same text unless the
+    # cards differ); the last rename wins whole.
+    os.replace(tmp, path)
     log.error("rank %d ran out of memory; %s", env.rank, advice)
     first = (str(err).strip().splitlines() or ["CUDA out of memory"])[0]
     e = FaultError(

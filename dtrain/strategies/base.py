@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig
+from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig, yaml_value
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
@@ -166,13 +166,6 @@ OPTIONAL_KEYS = tuple(
 UNASKED = {"reshard_after_forward": (AUTO, True)}
 
 
-def _yaml(value) -> str:
-    """A value as it is written on the command line (true, null), not as Python prints it."""
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    return repr(value)
-
-
 class Strategy:
     name = "single"  # what the logs and checkpoint manifests call it
     names: tuple[str, ...] = ()  # the strategy=<name> choices this class serves (the registry)
@@ -216,7 +209,7 @@ class Strategy:
                 continue
             honoured = ", ".join(cls.options) or "none of them"
             raise ConfigError(
-                f"strategy.{key}={_yaml(value)} does not apply to "
+                f"strategy.{key}={yaml_value(value)} does not apply to "
                 f"strategy={cfg.name}; its options: {honoured}"
             )
 

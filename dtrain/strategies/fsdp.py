@@ -97,9 +97,11 @@ FSDP_GATHER = Collective(
 )
 # The backward's gather, where the forward freed the block (reshard_after_forward): keeping the
 # blocks gathered instead ran 1.019x (1b bf16), 1.104x (1b fp8), 1.042x (8b bf16) and 1.022x
-# (8b fp8) faster on 2x H200, a step shorter by 1.1-1.5x this gather's whole time at 1b bf16
-# and 8b (11x at 1b fp8, where the host falls behind: docs/benchmarks.md, "Resharding after
-# the forward"); so none of it is planned as hidden.
+# (8b fp8) faster on 2x H200, a step shorter by 1.1-1.5x a whole-model gather's time at 1b bf16
+# and 8b, about 1.25-1.8x this re-gather's (the blocks the forward freed: 88% of the 1b
+# model's parameters, 84% of the 8b's;
+# 11x at 1b fp8, where the host falls behind: docs/benchmarks.md, "Resharding after the
+# forward"); so none of it is planned as hidden.
 FSDP_REGATHER = replace(
     FSDP_GATHER,
     payload="resharded",  # the last block and the root stay gathered for the backward

@@ -41,7 +41,7 @@ CATALOGUE = [
     (["model.n_layer=[1,2]"], "model.n_layer must be an integer, got [1, 2]"),
     (["trainer.stop_signals=SIGTERM"], "trainer.stop_signals must be a list, got 'SIGTERM'"),
     (["seed=abc"], "seed must be an integer, got 'abc'"),
-    (["checkpoint.keep_last=true"], "checkpoint.keep_last must be an integer, got True"),
+    (["checkpoint.keep_last=true"], "checkpoint.keep_last must be an integer, got true"),
     (["trainer.collective_timeout_s=soon"], "trainer.collective_timeout_s must be a number"),
     # impossible sizes and values
     (["trainer.seq_len=0"], "trainer.seq_len must be > 0, got 0"),
