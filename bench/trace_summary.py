@@ -137,7 +137,9 @@ def host(events: list[dict], steps: int, threads: int = 2) -> list[dict]:
     for tid, evs in by_tid.items():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
         busy, end = 0.0, float("-inf")
-        for e in evs:  # the union of the intervals: nested events add nothing
+        # the union of the intervals (nested events add nothing) of operators and annotations:
+        # Python frames (profile.with_stack) span whole steps, waits included
+        for e in (e for e in evs if e.get("cat") != "python_function"):
             s, f = e["ts"], e["ts"] + e["dur"]
             if s >= end:
                 busy += f - s

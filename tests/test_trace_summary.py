@@ -75,6 +75,7 @@ def test_host_time_is_the_union_of_each_threads_events_with_names_by_inclusive_t
 
     events = [
         op(1, 0, 5000, "ProfilerStep#3", "user_annotation"),  # the whole step: not busy time
+        op(1, 0, 4900, "train.py(80): one_step", "python_function"),  # a frame: named, not busy
         op(1, 0, 1000, "FSDP::pre_forward", "user_annotation"),
         op(1, 100, 400, "FSDP::all_gather", "user_annotation"),  # nested: adds no busy time
         op(1, 900, 300, "Torch-Compiled Region", "user_annotation"),  # overlaps by 100 us
@@ -89,5 +90,6 @@ def test_host_time_is_the_union_of_each_threads_events_with_names_by_inclusive_t
     assert names["FSDP::pre_forward"] == pytest.approx((0.8, 1.0))
     assert names["FSDP::all_gather"] == pytest.approx((0.2, 0.5))
     assert "ProfilerStep#3" not in names
+    assert names["train.py(80): one_step"] == pytest.approx((2.45, 0.5))
     md = host_markdown(threads, top=5)
     assert "Host thread 1: busy 0.9 ms per step" in md and "| `FSDP::pre_forward` | 0.8 | 1 |" in md
