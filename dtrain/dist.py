@@ -135,10 +135,15 @@ def init_distributed(
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     if (world > 1 or force_group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        # A group of one meets no peer: an in-process store, not a TCP one on MASTER_PORT
+        # (a port found free and bound a moment later was taken by another process in CI:
+        # EADDRINUSE). The variables stay set for libraries that read them (DeepSpeed).
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 else {}
         dist.init_process_group(
             backend=backend,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
+            **alone,
         )
     return DistEnv(
         rank=rank,
