@@ -272,6 +272,13 @@ def count_params(cfg: ModelConfig) -> int:
     return L * per_layer + emb + d
 
 
+def count_param_tensors(cfg: ModelConfig) -> int:
+    """Parameter tensors from the config alone, equal to len(list(GPT(cfg).parameters())): per
+    block four attention and three feed-forward weights and two norms; the embedding, the final
+    norm, and the output layer unless tied to the embedding."""
+    return cfg.n_layer * 9 + 2 + (0 if cfg.tie_embeddings else 1)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N + 12·L·d·T (PaLM appendix B; torchtitan's convention).
 

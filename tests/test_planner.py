@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dtrain.errors import ConfigError
 from dtrain.hardware import GPUS, GiB
@@ -15,7 +16,7 @@ from dtrain.memory import plan_memory, plan_speed, planned_config
 from dtrain.memory import speed as sp
 from dtrain.memory.machine import build_machine, datasheet_machine
 from dtrain.memory.search import resolve_auto_micro_batch, resolve_auto_options, search
-from dtrain.model import flops_per_token
+from dtrain.model import GPT, count_param_tensors, flops_per_token
 from dtrain.strategies import STRATEGIES, Collective, MemoryFacts, SpeedFacts, Strategy
 from tests.conftest import compose
 
@@ -642,3 +643,39 @@ def test_validation_bench_smoke(tmp_path):
     data = run_plan_validate(tmp_path, "--smoke", "--nprocs", "1", "--steps", "4")
     (row,) = data["rows"]
     assert row["status"] == "ok" and row["predicted_tokens_per_s_per_gpu"] > 0
+
+
+def test_8bit_adamw_under_fsdp_is_paid_per_tensor_on_the_host(monkeypatch):
+    """torchao's AdamW8bit steps each parameter tensor in a compiled call of its own, which under
+    FSDP2 (DTensors) the host takes longer to issue than the GPU to run; unsharded, and fsdp's
+    fused AdamW, stay priced by their bytes."""
+    shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
+    shape += ("trainer.micro_batch_size=1", "precision=int8")
+    machine = datasheet_machine(GPUS["h200-141gb"])
+
+    def optim(*overrides, world=2):
+        cfg, _, setup = planned_config(compose(*shape, *overrides), world, "cuda")
+        return plan_speed(cfg.model, setup, machine), cfg.model
+
+    fused, _ = optim("strategy=fsdp")
+    eight, model = optim("strategy=fsdp", "precision.optimizer_8bit=true")
+    assert count_param_tensors(model) == 291  # 32 blocks of 9, the embedding, the final norm
+    assert eight.optimizer_s == pytest.approx(291 * sp.HOST_S_PER_8BIT_DTENSOR_STEP)
+    assert eight.optimizer_s > 3 * fused.optimizer_s
+    # The run it was fitted to (2x H200, bench/results/2026-11-29-gpu-s17/call4_*): 8,145.
+    assert eight.tokens_per_s_per_gpu == pytest.approx(8_145, rel=0.02)
+    unsharded, _ = optim("strategy=single", "precision.optimizer_8bit=true", world=1)
+    monkeypatch.setattr(sp, "HOST_S_PER_8BIT_DTENSOR_STEP", 0.0)
+    bytes_only, _ = optim("strategy=fsdp", "precision.optimizer_8bit=true")
+    # One GPU steps all of it, two GPUs half each: priced by bytes alone, twice as long.
+    assert unsharded.optimizer_s == pytest.approx(2 * bytes_only.optimizer_s)
+    assert bytes_only.optimizer_s < fused.optimizer_s  # 8-bit moments: fewer bytes
+
+
+def test_param_tensors_are_counted_from_the_config():
+    for cfg in (compose("model=tiny").model, compose("model=8b").model):
+        for tied in (True, False):
+            cfg.tie_embeddings, cfg.vocab_size = tied, 320
+            with torch.device("meta"):
+                model = GPT(cfg)
+            assert len(list(model.parameters())) == count_param_tensors(cfg)

@@ -29,7 +29,7 @@ from dtrain.hardware import matmul_kind
 from dtrain.memory.machine import Machine
 from dtrain.memory.setup import MemorySetup, strategy_facts
 from dtrain.memory.state import state_bytes_per_element
-from dtrain.model import ModelConfig, count_params, flops_per_token
+from dtrain.model import ModelConfig, count_param_tensors, count_params, flops_per_token
 from dtrain.strategies import STRATEGIES, Collective
 
 # Share of the datasheet peak the model's matmuls run at, compiled as one graph: fitted to
@@ -63,6 +63,13 @@ OTHER_S_PER_MICRO = 0.5e-3  # a micro-batch to the GPU, launches outside compile
 # offload): bytes of state per second of one rank's share of a host, and PCIe per direction.
 HOST_OPTIM_BYTES_PER_S = 20e9
 PCIE_BYTES_PER_S = 25e9
+# torchao's AdamW8bit (precision.optimizer_8bit) steps every parameter tensor in a compiled call
+# of its own. With FSDP2's DTensor parameters and states the host took about 0.77 ms a call and
+# the GPU waited for it: model=8b fsdp int8 on 2x H200 ran at 8,145 tokens/s per GPU (1.006 s a
+# step) where the plan, pricing the step by its bytes (35 ms), said 10,020 (0.818 s): 0.22 s
+# for 291 tensors (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Fitted to
+# that one run. Unsharded parameters are not charged: not measured with the current code.
+HOST_S_PER_8BIT_DTENSOR_STEP = 0.77e-3
 
 
 @dataclass(frozen=True)
@@ -300,7 +307,10 @@ def optimizer_time(cfg: ModelConfig, setup: MemorySetup, machine: Machine) -> fl
     )
     if offloaded:  # gradients down, updated parameters up, the step on the host
         return stepped * (state / HOST_OPTIM_BYTES_PER_S + (b.grad + b.param) / PCIE_BYTES_PER_S)
-    return stepped * state / (machine.hbm_bytes_per_s * HBM_EFFICIENCY)
+    gpu = stepped * state / (machine.hbm_bytes_per_s * HBM_EFFICIENCY)
+    if getattr(setup.precision, "optimizer_8bit", False) and facts.partition == "dim0":
+        return max(gpu, count_param_tensors(cfg) * HOST_S_PER_8BIT_DTENSOR_STEP)
+    return gpu
 
 
 def plan_speed(cfg: ModelConfig, setup: MemorySetup, machine: Machine) -> SpeedPlan:
