@@ -651,22 +651,23 @@ def test_8bit_adamw_under_fsdp_is_paid_per_tensor_on_the_host(monkeypatch):
     fused AdamW, stay priced by their bytes."""
     shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
     shape += ("trainer.micro_batch_size=1", "precision=int8")
+    kept = "strategy.reshard_after_forward=false"  # what auto resolved to in that run
     machine = datasheet_machine(GPUS["h200-141gb"])
 
     def optim(*overrides, world=2):
         cfg, _, setup = planned_config(compose(*shape, *overrides), world, "cuda")
         return plan_speed(cfg.model, setup, machine), cfg.model
 
-    fused, _ = optim("strategy=fsdp")
-    eight, model = optim("strategy=fsdp", "precision.optimizer_8bit=true")
+    fused, _ = optim("strategy=fsdp", kept)
+    eight, model = optim("strategy=fsdp", kept, "precision.optimizer_8bit=true")
     assert count_param_tensors(model) == 291  # 32 blocks of 9, the embedding, the final norm
     assert eight.optimizer_s == pytest.approx(291 * sp.HOST_S_PER_8BIT_DTENSOR_STEP)
     assert eight.optimizer_s > 3 * fused.optimizer_s
     # The run it was fitted to (2x H200, bench/results/2026-11-29-gpu-s17/call4_*): 8,145.
-    assert eight.tokens_per_s_per_gpu == pytest.approx(8_145, rel=0.02)
+    assert eight.tokens_per_s_per_gpu == pytest.approx(8_145, rel=0.01)
     unsharded, _ = optim("strategy=single", "precision.optimizer_8bit=true", world=1)
     monkeypatch.setattr(sp, "HOST_S_PER_8BIT_DTENSOR_STEP", 0.0)
-    bytes_only, _ = optim("strategy=fsdp", "precision.optimizer_8bit=true")
+    bytes_only, _ = optim("strategy=fsdp", kept, "precision.optimizer_8bit=true")
     # One GPU steps all of it, two GPUs half each: priced by bytes alone, twice as long.
     assert unsharded.optimizer_s == pytest.approx(2 * bytes_only.optimizer_s)
     assert bytes_only.optimizer_s < fused.optimizer_s  # 8-bit moments: fewer bytes
