@@ -64,10 +64,11 @@ OTHER_S_PER_MICRO = 0.5e-3  # a micro-batch to the GPU, launches outside compile
 HOST_OPTIM_BYTES_PER_S = 20e9
 PCIE_BYTES_PER_S = 25e9
 # torchao's AdamW8bit (precision.optimizer_8bit) steps every parameter tensor in a compiled call
-# of its own. With FSDP2's DTensor parameters and states the host took about 0.77 ms a call and
-# the GPU waited for it: model=8b fsdp int8 on 2x H200 ran at 8,145 tokens/s per GPU (1.006 s a
-# step) where the plan, pricing the step by its bytes (35 ms), said 10,020 (0.818 s): 0.22 s
-# for 291 tensors (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Fitted to
+# of its own. Under FSDP2 (DTensor parameters and states) model=8b int8 on 2x H200 ran at 8,145
+# tokens/s per GPU (1.006 s a step) where the plan, pricing the step by its bytes (35 ms), said
+# 10,020 (0.818 s): 0.22 s more, 0.77 ms for each of the 291 tensors
+# (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Put down to the host issuing
+# those calls (the GPU work is the 35 ms); inferred from the step time, not traced. Fitted to
 # that one run. Unsharded parameters are not charged: not measured with the current code.
 HOST_S_PER_8BIT_DTENSOR_STEP = 0.77e-3
 
