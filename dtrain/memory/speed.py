@@ -67,9 +67,11 @@ PCIE_BYTES_PER_S = 25e9
 # of its own. Under FSDP2 (DTensor parameters and states) model=8b int8 on 2x H200 ran at 8,145
 # tokens/s per GPU (1.006 s a step) where the plan, pricing the step by its bytes (35 ms), said
 # 10,020 (0.818 s): 0.22 s more, 0.77 ms for each of the 291 tensors
-# (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Put down to the host issuing
-# those calls (the GPU work is the 35 ms); inferred from the step time, not traced. Fitted to
-# that one run. Unsharded parameters are not charged: not measured with the current code.
+# (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Fitted to that one run.
+# Traced at 1b under fsdp on one H200 (call5_*): AdamW8bit.step held the host 216 ms a step for
+# 219 tensors while the GPU sat idle 204 ms a step waiting for launches; planned with this
+# constant, that run was 2.2% under its prediction. Unsharded parameters are not charged: not
+# measured with the current code.
 HOST_S_PER_8BIT_DTENSOR_STEP = 0.77e-3
 
 
