@@ -118,6 +118,12 @@ class PrecisionConfig:
     # (null: yes), or (false) in the compute dtype, each block casting them after the gather
     # (torchtitan's default).
     fp8_all_gather: bool | None = None
+    # precision=fp8: the LM head's matmuls in fp8 too (its weight is the tied embedding's);
+    # strategies that do not shard weights only (single, ddp)
+    fp8_lm_head: bool = False
+    # precision=fp8: fast (unpromoted) fp8 accumulation in the backward GEMMs as well as the
+    # forward one, where torchao's recipe promotes to fp32
+    fp8_fast_accum: bool = False
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
@@ -679,7 +685,14 @@ def _explain_hydra_error(e: Exception, overrides: list[str]) -> str:
 
 
 # Keys only some precisions' files have (a key a precision's file lacks is an unknown key).
-PRECISION_OWN_KEYS = ("fp8_recipe", "fp8_emulate", "fp8_all_gather", "int8_grad_weight")
+PRECISION_OWN_KEYS = (
+    "fp8_recipe",
+    "fp8_emulate",
+    "fp8_all_gather",
+    "fp8_lm_head",
+    "fp8_fast_accum",
+    "int8_grad_weight",
+)
 
 
 def schema_defaults(cls: type) -> dict:

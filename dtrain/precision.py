@@ -45,6 +45,8 @@ class Precision:
     fp8_recipe: str = "tensorwise"
     fp8_emulate: bool = False
     fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
+    fp8_lm_head: bool = False  # the LM head in fp8 too
+    fp8_fast_accum: bool = False  # fast accumulation in the backward GEMMs too
     # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
     # int8 input); "" for every other precision.
     int8_grad_weight: str = ""
@@ -201,6 +203,12 @@ def build_precision(
             f"precision.fp8_all_gather applies to precision=fp8 only, not precision={cfg.name}; "
             "remove it or use precision=fp8"
         )
+    for key in ("fp8_lm_head", "fp8_fast_accum"):
+        if getattr(cfg, key) and p.quantize != "fp8":
+            raise ConfigError(
+                f"precision.{key} applies to precision=fp8 only, not precision={cfg.name}; "
+                "remove it or use precision=fp8"
+            )
     if cfg.fp8_all_gather is not None and cfg.fp8_recipe != "tensorwise":
         raise ConfigError(
             f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
@@ -215,6 +223,8 @@ def build_precision(
         fp8_recipe=cfg.fp8_recipe,
         fp8_emulate=cfg.fp8_emulate,
         fp8_all_gather=cfg.fp8_all_gather,
+        fp8_lm_head=cfg.fp8_lm_head,
+        fp8_fast_accum=cfg.fp8_fast_accum,
         int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
         reduce_dtype=reduce_dtype or p.reduce_dtype,
         reduce_override=reduce_dtype is not None,
@@ -269,6 +279,12 @@ def check_strategy(precision: Precision, strategy, name: str) -> None:
             f"precision.fp8_all_gather sets how FSDP gathers weights; strategy={name} gathers "
             "none: remove it, or use strategy=fsdp or hsdp"
         )
+    if precision.fp8_lm_head and strategy.memory.partition == "dim0":
+        raise ConfigError(
+            f"precision.fp8_lm_head=true is not supported with strategy={name}: the head's weight "
+            "is the embedding's, which FSDP would gather in fp8; use strategy=single or ddp, or "
+            "remove it"
+        )
     if precision.optimizer_8bit and strategy.own_optimizer:
         raise ConfigError(
             f"precision.optimizer_8bit=true is not supported with strategy={name}: it builds "
@@ -280,6 +296,11 @@ def block_linear_filter(module: nn.Module, fqn: str) -> bool:
     """The linears that quantized precisions swap: those inside the transformer blocks
     (`layers.<i>.`). Embeddings, norms, attention scores and the LM head stay bf16."""
     return isinstance(module, nn.Linear) and fqn.startswith("layers.")
+
+
+def block_and_head_filter(module: nn.Module, fqn: str) -> bool:
+    """The block linears and the LM head (`output`): precision.fp8_lm_head=true."""
+    return block_linear_filter(module, fqn) or (isinstance(module, nn.Linear) and fqn == "output")
 
 
 def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = False) -> None:
@@ -309,8 +330,9 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
 
         apply_fp8(
             module,
-            block_linear_filter,
+            block_and_head_filter if precision.fp8_lm_head else block_linear_filter,
             recipe=precision.fp8_recipe,
+            fast_accum=precision.fp8_fast_accum,
             emulate=precision.fp8_emulate,
             fp8_all_gather=sharded and precision.fp8_weight_gather,
         )
