@@ -16,7 +16,7 @@ from dtrain.memory import plan_memory, plan_speed, planned_config
 from dtrain.memory import speed as sp
 from dtrain.memory.machine import build_machine, datasheet_machine
 from dtrain.memory.search import resolve_auto_micro_batch, resolve_auto_options, search
-from dtrain.model import GPT, count_param_tensors, flops_per_token
+from dtrain.model import GPT, count_param_tensors, count_params, flops_per_token
 from dtrain.strategies import STRATEGIES, Collective, MemoryFacts, SpeedFacts, Strategy
 from tests.conftest import compose
 
@@ -224,6 +224,25 @@ def test_an_undecided_auto_resharding_is_the_lean_choice():
         resharding(compose("strategy=fsdp", "strategy.reshard_after_forward=false").strategy)
         is False
     )
+
+
+def test_fp8_lm_head_is_planned_at_the_fp8_rate():
+    """precision.fp8_lm_head=true moves the head's matmuls to fp8's peak (plus its casts): the
+    plan's compute drops by the head's time at bf16 less its time at fp8, nothing else."""
+    machine = _no_memory_bound(datasheet_machine(H100))
+    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
+    cfg, plain = _setup(*flags)
+    _, head = _setup(*flags, "precision.fp8_lm_head=true")
+    m = cfg.model
+    tokens = plain.micro_batch_size * plain.seq_len
+    # what is not in the blocks' linears: the (tied) head, and the norms' few gains
+    lin = m.n_layer * sp.linear_params_per_block(m)[0]
+    flops = 6 * (count_params(m) - lin) * tokens
+    assert flops == pytest.approx(6 * m.d_model * m.vocab_size * tokens, rel=1e-3)
+    bf16 = 989e12 * sp.MATMUL_EFFICIENCY
+    fp8 = H100.fp8_flops * sp.MATMUL_EFFICIENCY * sp.QUANT_SPEED["fp8"].efficiency
+    saved = plan_speed(m, plain, machine).compute_s - plan_speed(m, head, machine).compute_s
+    assert saved == pytest.approx(flops / bf16 - flops / fp8, rel=1e-6)
 
 
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():

@@ -341,6 +341,37 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
     assert type(model.output) is nn.Linear
 
 
+def test_fp8_lm_head_and_fast_accum_take_their_paths():
+    """precision.fp8_lm_head swaps the LM head too, keeping it tied to the embedding, and its
+    logits are the fp8 head's (quantized: close to, not equal to, the bf16 head's);
+    precision.fp8_fast_accum sets fast accumulation in both backward GEMMs of every fp8 linear,
+    where the default keeps torchao's promoted ones."""
+    pytest.importorskip("torchao")
+    tied = replace(TINY, tie_embeddings=True)
+    x, y = _batch()
+    out = {}
+    for head in (False, True):
+        model = build_model(tied, CPU, seed=0)
+        cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=head)
+        apply_precision(model, build_precision(cfg, CPU))
+        assert (type(model.output).__name__ == "Float8Linear") is head
+        assert model.output.weight is model.tok_embeddings.weight
+        fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        assert len(fp8) == 7 * tied.n_layer + head
+        for m in fp8:
+            c = m.config
+            assert c.gemm_config_output.use_fast_accum
+            assert c.gemm_config_grad_input.use_fast_accum is head
+            assert c.gemm_config_grad_weight.use_fast_accum is head
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[head] = model(x).float()
+            loss = F.cross_entropy(out[head].flatten(0, 1), y.flatten())
+        loss.backward()
+        assert torch.isfinite(model.tok_embeddings.weight.grad).all()
+    assert not torch.equal(out[False], out[True])
+    assert snr_db(out[False], out[True]) > 15
+
+
 def test_optimizer_8bit_has_8bit_states(monkeypatch):
     pytest.importorskip("torchao")
     # torchao compiles its step; on CPU that is minutes of C++ compilation: run it eagerly.
@@ -377,6 +408,8 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=bf16", "+precision.int8_grad_weight=bf16"], "precision=int8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=false"], "precision=fp8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=true"], "precision=fp8 only"),
+        (["precision=bf16", "+precision.fp8_lm_head=true"], "precision=fp8 only"),
+        (["precision=int8", "+precision.fp8_fast_accum=true"], "precision=fp8 only"),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"]
             + ["precision.fp8_all_gather=false"],
@@ -414,6 +447,10 @@ def test_precision_checks_ask_the_strategy():
         check_strategy(eight_bit, STRATEGIES["zero2"], "zero2")
     with pytest.raises(ConfigError, match="strategy=single reduces none"):
         check_strategy(reduced, STRATEGIES["single"], "single")
+    fp8_head = replace(PRECISIONS["fp8"], fp8_lm_head=True)
+    with pytest.raises(ConfigError, match="fp8_lm_head=true is not supported with strategy=fsdp"):
+        check_strategy(fp8_head, STRATEGIES["fsdp"], "fsdp")
+    check_strategy(fp8_head, STRATEGIES["ddp"], "ddp")
     check_strategy(eight_bit, STRATEGIES["fsdp"], "fsdp")
     check_strategy(reduced, STRATEGIES["ddp"], "ddp")
 

@@ -184,6 +184,7 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     pointwise = POINTWISE_PASSES * cfg.n_layer * (cfg.d_model + cfg.ffn_hidden) * c * tokens
     loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens  # fp32 log-softmax and its gradient
     q = QUANT_SPEED.get(pr.quantize)
+    t_head = head / rate
     if q is None or not machine.peak_flops.get(q.kind):
         t_lin = lin / rate
     else:
@@ -191,8 +192,11 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
         narrow = _compute_rate(setup, machine, q.kind) * MATMUL_EFFICIENCY * q.efficiency
         t_cast = q.cast_passes * cfg.n_layer * lin_features * c * tokens / hbm
         t_lin = lin * ((1 - share) / rate + share / narrow) + t_cast
+        if getattr(pr, "fp8_lm_head", False):  # the head's matmuls and casts as a block's
+            head_cast = q.cast_passes * (cfg.d_model + cfg.vocab_size) * c * tokens / hbm
+            t_head = head / narrow + head_cast
     blocks = t_lin + attn / attn_rate + pointwise / hbm
-    return blocks + head / rate + loss / hbm, blocks, pointwise / hbm
+    return blocks + t_head + loss / hbm, blocks, pointwise / hbm
 
 
 def recompute_time(setup: MemorySetup, blocks_s: float, pointwise_s: float) -> float:
