@@ -279,11 +279,12 @@ def check_strategy(precision: Precision, strategy, name: str) -> None:
             f"precision.fp8_all_gather sets how FSDP gathers weights; strategy={name} gathers "
             "none: remove it, or use strategy=fsdp or hsdp"
         )
-    if precision.fp8_lm_head and strategy.memory.partition == "dim0":
+    facts = strategy.memory_facts(name)
+    if precision.fp8_lm_head and facts is not None and "params" in facts.shards:
         raise ConfigError(
-            f"precision.fp8_lm_head=true is not supported with strategy={name}: the head's weight "
-            "is the embedding's, which FSDP would gather in fp8; use strategy=single or ddp, or "
-            "remove it"
+            f"precision.fp8_lm_head=true is not supported with strategy={name}, which shards "
+            "parameters (the fp8 head, tied to the embedding, is built for whole weights): use "
+            "strategy=single or ddp, or remove it"
         )
     if precision.optimizer_8bit and strategy.own_optimizer:
         raise ConfigError(
@@ -326,8 +327,15 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
 
         apply_torchao_int8(module, block_linear_filter)
     elif precision.quantize == "fp8":
-        from dtrain.lowp.fp8 import apply_fp8
+        from dtrain.lowp.fp8 import apply_fp8, fp8_shape_ok
 
+        head = getattr(module, "output", None)
+        if precision.fp8_lm_head and isinstance(head, nn.Linear) and not fp8_shape_ok(head):
+            raise ConfigError(
+                f"precision.fp8_lm_head=true needs the vocabulary and d_model divisible by 16 "
+                f"(fp8 GEMMs); this head is {head.in_features} x {head.out_features}: pad "
+                "model.vocab_size to a multiple of 16 (e.g. 64), or remove it"
+            )
         apply_fp8(
             module,
             block_and_head_filter if precision.fp8_lm_head else block_linear_filter,

@@ -243,6 +243,17 @@ def test_fp8_lm_head_is_planned_at_the_fp8_rate():
     fp8 = H100.fp8_flops * sp.MATMUL_EFFICIENCY * sp.QUANT_SPEED["fp8"].efficiency
     saved = plan_speed(m, plain, machine).compute_s - plan_speed(m, head, machine).compute_s
     assert saved == pytest.approx(flops / bf16 - flops / fp8, rel=1e-6)
+    # with memory that takes time, the head's casts are charged as a block linear's are
+    real = datasheet_machine(H100)
+    hbm = real.hbm_bytes_per_s * sp.HBM_EFFICIENCY
+    casts = sp.QUANT_SPEED["fp8"].cast_passes * (m.d_model + m.vocab_size) * 2 * tokens / hbm
+    saved = plan_speed(m, plain, real).compute_s - plan_speed(m, head, real).compute_s
+    assert saved == pytest.approx(flops / bf16 - flops / fp8 - casts, rel=1e-6)
+    # a head fp8 GEMMs cannot take (vocab not a multiple of 16) stays at bf16's rate
+    cfg_odd, odd = _setup(*flags, "model.vocab_size=50300")
+    _, odd_head = _setup(*flags, "model.vocab_size=50300", "precision.fp8_lm_head=true")
+    m_odd = cfg_odd.model
+    assert plan_speed(m_odd, odd, real).compute_s == plan_speed(m_odd, odd_head, real).compute_s
 
 
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():

@@ -372,6 +372,16 @@ def test_fp8_lm_head_and_fast_accum_take_their_paths():
     assert snr_db(out[False], out[True]) > 15
 
 
+def test_fp8_lm_head_with_fast_accum_trains(tmp_path):
+    """Both fp8 options through the training command, the head tied to the embedding."""
+    pytest.importorskip("torchao")
+    opts = ["precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
+    opts += ["precision.fp8_fast_accum=true", "model.tie_embeddings=true"]
+    out = train(tmp_path, "precision=fp8", *opts, *STEPS)
+    losses = [loss for _, loss in out["losses"]]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
 def test_optimizer_8bit_has_8bit_states(monkeypatch):
     pytest.importorskip("torchao")
     # torchao compiles its step; on CPU that is minutes of C++ compilation: run it eagerly.
@@ -410,6 +420,16 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=bf16", "+precision.fp8_all_gather=true"], "precision=fp8 only"),
         (["precision=bf16", "+precision.fp8_lm_head=true"], "precision=fp8 only"),
         (["precision=int8", "+precision.fp8_fast_accum=true"], "precision=fp8 only"),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
+            + ["strategy=fsdp"],
+            "strategy=fsdp, which shards parameters",
+        ),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
+            + ["model.vocab_size=330"],
+            "divisible by 16",
+        ),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"]
             + ["precision.fp8_all_gather=false"],

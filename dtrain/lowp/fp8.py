@@ -23,7 +23,7 @@ from dtrain.errors import ConfigError
 from dtrain.lowp.fp8_layout import install_transposes_apart
 
 
-def _fp8_shape_ok(module: nn.Module) -> bool:
+def fp8_shape_ok(module: nn.Module) -> bool:
     # fp8 GEMMs (torch._scaled_mm) need both matrix dimensions divisible by 16.
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
@@ -61,7 +61,7 @@ def apply_fp8(
     selected = []
 
     def keep(m: nn.Module, fqn: str) -> bool:
-        ok = isinstance(m, nn.Linear) and filter_fn(m, fqn) and _fp8_shape_ok(m)
+        ok = isinstance(m, nn.Linear) and filter_fn(m, fqn) and fp8_shape_ok(m)
         if ok:
             selected.append(fqn)
         return ok

@@ -192,7 +192,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
         narrow = _compute_rate(setup, machine, q.kind) * MATMUL_EFFICIENCY * q.efficiency
         t_cast = q.cast_passes * cfg.n_layer * lin_features * c * tokens / hbm
         t_lin = lin * ((1 - share) / rate + share / narrow) + t_cast
-        if getattr(pr, "fp8_lm_head", False):  # the head's matmuls and casts as a block's
+        fp8_head = cfg.vocab_size % 16 == 0 and cfg.d_model % 16 == 0  # as lowp/fp8 swaps
+        if getattr(pr, "fp8_lm_head", False) and fp8_head:  # its matmuls and casts as a block's
             head_cast = q.cast_passes * (cfg.d_model + cfg.vocab_size) * c * tokens / hbm
             t_head = head / narrow + head_cast
     blocks = t_lin + attn / attn_rate + pointwise / hbm
