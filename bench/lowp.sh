@@ -10,7 +10,8 @@
 #       quantizes and 1b end to end on one GPU (bench/int8_kernels.py; ~5 min on an H100)
 #   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
-#       lanes with two SEEDs give two bf16 runs: the noise)
+#       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
+#       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
 # fp8wide, fp8head, fp8fast, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -60,7 +61,8 @@ case "${1:-}" in
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
-      dtrain_run loss${MODEL}_${p}_s${SEED:-1337} 1 $(prec $p) seed=${SEED:-1337}
+      dtrain_run loss${MODEL}_${p}_s${SEED:-1337}${VOCAB:+_v$VOCAB} 1 $(prec $p) \
+        seed=${SEED:-1337} ${VOCAB:+model.vocab_size=$VOCAB}
     done ;;
   profile8b|profile1b)
     run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
