@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -30,12 +30,14 @@ fsdp8b() {  # $1 = result name, then overrides
 # dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
 # every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
 # fp8wide is fp8 with fsdp's weights gathered in bf16 (precision.fp8_all_gather=false);
-# fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward.
+# fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward,
+# fp8acc fast accumulation alone.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   fp8fused) echo "precision=fp8" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   fp8head) echo "precision=fp8 precision.fp8_lm_head=true" ;;
   fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=true" ;;
+  fp8acc) echo "precision=fp8 precision.fp8_fast_accum=true" ;;
   int8apart) echo "precision=int8" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
