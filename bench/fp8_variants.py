@@ -98,22 +98,18 @@ def top_kernels(prof, iters: int, n: int = 15) -> list[tuple[str, float]]:
     return rows[:n]
 
 
+# model=1b's shape (conf/model/1b.yaml) with GPT-2's vocabulary, as bench/lowp.sh runs it
+SHAPE_1B = dict(n_head=16, d_model=2048, ffn_hidden=5632, vocab_size=50304, tie_embeddings=True)
+SHAPE_SMOKE = dict(n_head=4, d_model=128, ffn_hidden=384, vocab_size=512, tie_embeddings=True)
+
+
 def run_one(name: str, layers: int, batch: int, seq: int, iters: int, smoke: bool) -> dict:
     """One variant's forward+backward: ms a step and its top kernels. `smoke`: a small model,
     eager, on the CPU (fp8 emulated): checks that the variant builds and runs."""
     from dtrain.model import ModelConfig, build_model
 
-    d, f, heads, vocab = (128, 384, 4, 512) if smoke else (2048, 5632, 16, 50304)
-    cfg = ModelConfig(
-        name="1b-slice",
-        n_layer=layers,
-        n_head=heads,
-        d_model=d,
-        ffn_hidden=f,
-        vocab_size=vocab,
-        max_seq_len=seq,
-        tie_embeddings=True,
-    )
+    shape = SHAPE_SMOKE if smoke else SHAPE_1B
+    cfg = ModelConfig(name="1b-slice", n_layer=layers, max_seq_len=seq, **shape)
     dev = torch.device("cpu" if smoke else "cuda")
     torch.manual_seed(0)
     model = build_model(cfg, dev)
@@ -169,15 +165,7 @@ def run_optim(iters: int) -> list[dict]:
     """clip_grad_norm_ + fused AdamW against the norm + fused AdamW with grad_scale = the clip."""
     from dtrain.model import ModelConfig, build_model
 
-    cfg = ModelConfig(
-        name="1b",
-        n_layer=24,
-        n_head=16,
-        d_model=2048,
-        ffn_hidden=5632,
-        vocab_size=50304,
-        tie_embeddings=True,
-    )
+    cfg = ModelConfig(name="1b", n_layer=24, **SHAPE_1B)
     dev = torch.device("cuda")
     model = build_model(cfg, dev)
     params = list(model.parameters())

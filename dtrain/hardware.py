@@ -83,6 +83,11 @@ def matmul_kind(precision) -> str:
     return "tf32" if getattr(precision, "tf32", False) else "fp32"
 
 
+def fp8_gemm_dims_ok(*dims: int) -> bool:
+    """fp8 GEMMs (torch._scaled_mm) need every matrix dimension divisible by 16."""
+    return all(d % 16 == 0 for d in dims)
+
+
 def peak_flops_of(gpu: GpuSpec, kind: str) -> float:
     """Dense peak for a matmul kind: bf16, tf32, fp32, fp8 or int8 (0.0: no such tensor cores)."""
     return getattr(gpu, f"{kind}_flops")

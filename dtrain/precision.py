@@ -198,13 +198,8 @@ def build_precision(
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     _check_int8_grad_weight(cfg)
-    if cfg.fp8_all_gather is not None and p.quantize != "fp8":
-        raise ConfigError(
-            f"precision.fp8_all_gather applies to precision=fp8 only, not precision={cfg.name}; "
-            "remove it or use precision=fp8"
-        )
-    for key in ("fp8_lm_head", "fp8_fast_accum"):
-        if getattr(cfg, key) and p.quantize != "fp8":
+    for key in ("fp8_all_gather", "fp8_lm_head", "fp8_fast_accum"):  # set: not its default
+        if getattr(cfg, key) != getattr(PrecisionConfig, key) and p.quantize != "fp8":
             raise ConfigError(
                 f"precision.{key} applies to precision=fp8 only, not precision={cfg.name}; "
                 "remove it or use precision=fp8"

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
+from dtrain.hardware import fp8_gemm_dims_ok
 from dtrain.lowp.fp8_layout import install_transposes_apart
 
 
 def fp8_shape_ok(module: nn.Module) -> bool:
-    # fp8 GEMMs (torch._scaled_mm) need both matrix dimensions divisible by 16.
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return fp8_gemm_dims_ok(module.in_features, module.out_features)
 
 
 def apply_fp8(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from dtrain.hardware import matmul_kind
+from dtrain.hardware import fp8_gemm_dims_ok, matmul_kind
 from dtrain.memory.machine import Machine
 from dtrain.memory.setup import MemorySetup, strategy_facts
 from dtrain.memory.state import state_bytes_per_element
@@ -192,7 +192,7 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
         narrow = _compute_rate(setup, machine, q.kind) * MATMUL_EFFICIENCY * q.efficiency
         t_cast = q.cast_passes * cfg.n_layer * lin_features * c * tokens / hbm
         t_lin = lin * ((1 - share) / rate + share / narrow) + t_cast
-        fp8_head = cfg.vocab_size % 16 == 0 and cfg.d_model % 16 == 0  # as lowp/fp8 swaps
+        fp8_head = fp8_gemm_dims_ok(cfg.d_model, cfg.vocab_size)
         if getattr(pr, "fp8_lm_head", False) and fp8_head:  # its matmuls and casts as a block's
             head_cast = q.cast_passes * (cfg.d_model + cfg.vocab_size) * c * tokens / hbm
             t_head = head / narrow + head_cast
