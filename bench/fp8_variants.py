@@ -8,7 +8,8 @@ JSON line: ms per forward+backward and its top kernels from the profiler.
 
 Variants (VARIANTS below): bf16; fp8 as dtrain trains it; fp8 with one change each: an Inductor
 setting (cooperative reductions, autotuned pointwise/reduction kernels, multi-kernel), torchao's
-fast accumulation in the backward GEMMs, the LM head in fp8 too, or the weight-gradient GEMM
+fast accumulation in both backward GEMMs or in the grad-input one only, the LM head in fp8 too
+(alone, and with fast grad-input accumulation), or the weight-gradient GEMM
 left in bf16 (that one on a GPU only: under CPU autocast torchao's bf16 grad-weight mm meets an
 fp32 operand).
 
@@ -38,14 +39,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name -> (precision, environment, options of precision, a change to torchao's recipe)
-VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, bool], str]] = {
+VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, bool | str], str]] = {
     "bf16": ("bf16", {}, {}, ""),
     "fp8": ("fp8", {}, {}, ""),
     "fp8_coop": ("fp8", {"TORCHINDUCTOR_COOPERATIVE_REDUCTIONS": "1"}, {}, ""),
     "fp8_autotune_pw": ("fp8", {"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"}, {}, ""),
     "fp8_multikernel": ("fp8", {"TORCHINDUCTOR_MULTI_KERNEL": "1"}, {}, ""),
-    "fp8_fastacc": ("fp8", {}, {"fp8_fast_accum": True}, ""),
+    "fp8_fastacc": ("fp8", {}, {"fp8_fast_accum": "all"}, ""),
+    "fp8_fastgi": ("fp8", {}, {"fp8_fast_accum": "grad_input"}, ""),
     "fp8_head": ("fp8", {}, {"fp8_lm_head": True}, ""),
+    "fp8_head_fastgi": ("fp8", {}, {"fp8_lm_head": True, "fp8_fast_accum": "grad_input"}, ""),
     "fp8_gwbf16": ("fp8", {}, {}, "gwbf16"),
 }
 

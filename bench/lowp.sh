@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -31,13 +31,16 @@ fsdp8b() {  # $1 = result name, then overrides
 # every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
 # fp8wide is fp8 with fsdp's weights gathered in bf16 (precision.fp8_all_gather=false);
 # fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward,
-# fp8acc fast accumulation alone.
+# fp8acc fast accumulation in the backward alone; fp8gi fast accumulation in the grad-input GEMM
+# only, fp8headgi that with the head in fp8.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   fp8fused) echo "precision=fp8" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   fp8head) echo "precision=fp8 precision.fp8_lm_head=true" ;;
-  fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=true" ;;
-  fp8acc) echo "precision=fp8 precision.fp8_fast_accum=true" ;;
+  fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=all" ;;
+  fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
+  fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
+  fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
   int8apart) echo "precision=int8" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }

@@ -27,6 +27,9 @@ AttentionKernel = Literal["auto", "cudnn", "flash", "efficient", "math"]  # auto
 ActivationCheckpointingMode = Literal["none", "full", "selective"]
 CompileScope = Literal["model", "blocks"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
+# Which fp8 GEMMs accumulate fast (unpromoted): the forward one always (torchao's recipe), the
+# grad-input one too, or all three (the grad-weight one as well).
+Fp8FastAccum = Literal["forward", "grad_input", "all"]
 # When DeepCompile runs its ZeRO-3 passes (dtrain.strategies.deepspeed.DEEPCOMPILE_SCHEDULES)
 DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
@@ -121,9 +124,9 @@ class PrecisionConfig:
     # precision=fp8: the LM head's matmuls in fp8 too (its weight is the tied embedding's);
     # strategies that do not shard weights only (single, ddp)
     fp8_lm_head: bool = False
-    # precision=fp8: fast (unpromoted) fp8 accumulation in the backward GEMMs as well as the
-    # forward one, where torchao's recipe promotes to fp32
-    fp8_fast_accum: bool = False
+    # precision=fp8: which GEMMs accumulate in fp8's fast (unpromoted) mode: the forward one
+    # (torchao's recipe: the backward ones promote to fp32), grad_input too, or all
+    fp8_fast_accum: Fp8FastAccum = "forward"
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
@@ -361,7 +364,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is Any:
         return value
     elif origin is Literal:  # its choices are checked with the others (check_choices)
-        return _coerce(value, type(typing.get_args(tp)[0]), key)
+        try:
+            return _coerce(value, type(typing.get_args(tp)[0]), key)
+        except ConfigError:  # a value of another type (true for a string): name the choices
+            choices = say_choices(typing.get_args(tp))
+            raise ConfigError(f"{key}={yaml_value(value)} is not valid; choose {choices}") from None
     elif origin in (list, tuple):
         if isinstance(value, (list, tuple)):
             (inner,) = typing.get_args(tp)[:1] or (Any,)

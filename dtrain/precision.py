@@ -46,7 +46,7 @@ class Precision:
     fp8_emulate: bool = False
     fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
     fp8_lm_head: bool = False  # the LM head in fp8 too
-    fp8_fast_accum: bool = False  # fast accumulation in the backward GEMMs too
+    fp8_fast_accum: str = "forward"  # which GEMMs accumulate fast: forward, grad_input, all
     # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
     # int8 input); "" for every other precision.
     int8_grad_weight: str = ""

@@ -31,16 +31,18 @@ def test_each_variant_builds_what_it_names(monkeypatch):
     cfg = ModelConfig(n_layer=1, n_head=4, d_model=64, vocab_size=96, tie_embeddings=True)
     cpu = torch.device("cpu")
     built = {}
-    for name in ("bf16", "fp8", "fp8_head", "fp8_fastacc", "fp8_gwbf16"):
+    for name in ("bf16", "fp8", "fp8_head", "fp8_fastacc", "fp8_fastgi", "fp8_head_fastgi", "fp8_gwbf16"):
         model = build_model(cfg, cpu)
         fv.build_variant(name, model, cpu)
         built[name] = _fp8(model)
     assert built["bf16"] == {} and len(built["fp8"]) == 7
     assert set(built["fp8_head"]) == set(built["fp8"]) | {"output"}
+    assert set(built["fp8_head_fastgi"]) == set(built["fp8_head"])
     for name, mods in built.items():
         for m in mods.values():
             c = m.config
             assert c.gemm_config_grad_weight.use_fast_accum is (name == "fp8_fastacc")
+            assert c.gemm_config_grad_input.use_fast_accum is ("fast" in name)
             off = c.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
             assert off is (name == "fp8_gwbf16")
 

@@ -341,42 +341,49 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
     assert type(model.output) is nn.Linear
 
 
-def test_fp8_lm_head_and_fast_accum_take_their_paths():
+@pytest.mark.parametrize(
+    "head,fast,fast_gi,fast_gw",
+    [(False, "forward", False, False), (True, "grad_input", True, False), (False, "all", True, True)],
+)
+def test_fp8_lm_head_and_fast_accum_take_their_paths(head, fast, fast_gi, fast_gw):
     """precision.fp8_lm_head swaps the LM head too, keeping it tied to the embedding, and its
     logits are the fp8 head's (quantized: close to, not equal to, the bf16 head's);
-    precision.fp8_fast_accum sets fast accumulation in both backward GEMMs of every fp8 linear,
-    where the default keeps torchao's promoted ones."""
+    precision.fp8_fast_accum sets fast accumulation in the GEMMs it names, in every fp8 linear,
+    where the default ("forward") keeps torchao's promoted backward ones."""
     pytest.importorskip("torchao")
     tied = replace(TINY, tie_embeddings=True)
     x, y = _batch()
-    out = {}
-    for head in (False, True):
-        model = build_model(tied, CPU, seed=0)
-        cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=head)
-        apply_precision(model, build_precision(cfg, CPU))
-        assert (type(model.output).__name__ == "Float8Linear") is head
-        assert model.output.weight is model.tok_embeddings.weight
-        fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-        assert len(fp8) == 7 * tied.n_layer + head
-        for m in fp8:
-            c = m.config
-            assert c.gemm_config_output.use_fast_accum
-            assert c.gemm_config_grad_input.use_fast_accum is head
-            assert c.gemm_config_grad_weight.use_fast_accum is head
+    model = build_model(tied, CPU, seed=0)
+    cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=fast)
+    apply_precision(model, build_precision(cfg, CPU))
+    assert (type(model.output).__name__ == "Float8Linear") is head
+    assert model.output.weight is model.tok_embeddings.weight
+    fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    assert len(fp8) == 7 * tied.n_layer + head
+    for m in fp8:
+        c = m.config
+        assert c.gemm_config_output.use_fast_accum
+        assert c.gemm_config_grad_input.use_fast_accum is fast_gi
+        assert c.gemm_config_grad_weight.use_fast_accum is fast_gw
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x).float()
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+    loss.backward()
+    assert torch.isfinite(model.tok_embeddings.weight.grad).all()
+    if head:  # the fp8 head's logits against the same weights' bf16 head
+        ref = build_model(tied, CPU, seed=0)
+        apply_precision(ref, build_precision(replace(cfg, fp8_lm_head=False), CPU))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out[head] = model(x).float()
-            loss = F.cross_entropy(out[head].flatten(0, 1), y.flatten())
-        loss.backward()
-        assert torch.isfinite(model.tok_embeddings.weight.grad).all()
-    assert not torch.equal(out[False], out[True])
-    assert snr_db(out[False], out[True]) > 15
+            ref_out = ref(x).float()
+        assert not torch.equal(ref_out, out)
+        assert snr_db(ref_out, out) > 15
 
 
 def test_fp8_lm_head_with_fast_accum_trains(tmp_path):
     """Both fp8 options through the training command, the head tied to the embedding."""
     pytest.importorskip("torchao")
     opts = ["precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
-    opts += ["precision.fp8_fast_accum=true", "model.tie_embeddings=true"]
+    opts += ["precision.fp8_fast_accum=all", "model.tie_embeddings=true"]
     out = train(tmp_path, "precision=fp8", *opts, *STEPS)
     losses = [loss for _, loss in out["losses"]]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
@@ -419,7 +426,8 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=bf16", "+precision.fp8_all_gather=false"], "precision=fp8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=true"], "precision=fp8 only"),
         (["precision=bf16", "+precision.fp8_lm_head=true"], "precision=fp8 only"),
-        (["precision=int8", "+precision.fp8_fast_accum=true"], "precision=fp8 only"),
+        (["precision=int8", "+precision.fp8_fast_accum=all"], "precision=fp8 only"),
+        (["precision=fp8", "precision.fp8_fast_accum=true"], "choose forward, grad_input, all"),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
             + ["strategy=fsdp"],

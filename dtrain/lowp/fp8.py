@@ -35,12 +35,14 @@ def apply_fp8(
     recipe: str = "tensorwise",
     emulate: bool = False,
     fp8_all_gather: bool = False,
-    fast_accum: bool = False,
+    fast_accum: str = "forward",
 ) -> int:
     """Swap the selected linears for torchao Float8Linear in place; returns how many.
 
-    `fast_accum`: the two backward GEMMs accumulate like the forward one, without torchao's
-    periodic promotion to fp32 (measured on an H200 at the 1b shape, bench/fp8_variants.py)."""
+    `fast_accum`: which GEMMs accumulate without torchao's periodic promotion to fp32: the
+    forward one (torchao's recipe), "grad_input" too, or "all" three. The grad-weight GEMM sums
+    over every token of the micro-batch (16384 at 1b), the grad-input one over a layer's
+    width, so that one loses the least (docs/precision.md: loss and speed of each)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -48,13 +50,13 @@ def apply_fp8(
             "precision=fp8 needs torchao, which is not installed: pip install torchao"
         ) from None
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if fast_accum:
+    if fast_accum != "forward":
         from torchao.float8.config import Float8GemmConfig
 
         fast = Float8GemmConfig(use_fast_accum=True)
-        config = dataclasses.replace(
-            config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast
-        )
+        config = dataclasses.replace(config, gemm_config_grad_input=fast)
+        if fast_accum == "all":
+            config = dataclasses.replace(config, gemm_config_grad_weight=fast)
     # fp8 all-gather exists for tensorwise scales only (one scale per weight shard set).
     fsdp_fp8 = fp8_all_gather and recipe == "tensorwise"
     config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_fp8)
