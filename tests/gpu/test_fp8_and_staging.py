@@ -1,7 +1,7 @@
 """On a CUDA device: the fp8 weight-gradient transposes run as their own op inside a compiled
 fp8 block (dtrain/lowp/fp8_layout.py) without changing what it computes beyond rounding, fsdp's
 fp8 weight shards are cast all at once in one compiled call, torchao's bits (dtrain/lowp/fp8.py),
-and the async checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
+precision.fp8_lm_head and precision.fp8_fast_accum reach the fp8 GEMMs themselves, and the async checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,45 @@ def test_compiled_fp8_block_takes_the_transpose_op_on_cuda(monkeypatch):
     # Other kernels may fuse differently around the op: equal to bf16 rounding, not bitwise.
     for a, b in zip(fused, apart):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("fast", ["forward", "grad_input", "all"])
+def test_fp8_head_and_fast_accum_reach_the_scaled_mms(monkeypatch, fast):
+    """Every torch._scaled_mm of a forward and backward, with the head in fp8: the forward
+    GEMMs accumulate fast always, the grad-input ones with grad_input or all, the grad-weight
+    ones with all only; the head's three GEMMs among them."""
+    pytest.importorskip("torchao")
+    from dataclasses import replace
+
+    from dtrain.config import PrecisionConfig
+    from dtrain.model import ModelConfig, build_model
+    from dtrain.precision import apply_precision, build_precision
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    cuda = torch.device("cuda")
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=128, vocab_size=512, max_seq_len=64)
+    model = build_model(replace(cfg, tie_embeddings=True), cuda, seed=0)
+    prec = PrecisionConfig(name="fp8", fp8_lm_head=True, fp8_fast_accum=fast)
+    apply_precision(model, build_precision(prec, cuda))
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(bool(kwargs.get("use_fast_accum", args[7] if len(args) > 7 else False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x = torch.randint(0, cfg.vocab_size, (2, 64), device=cuda)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(x)
+    n = 7 * cfg.n_layer + 1  # the blocks' linears and the head
+    assert calls == [True] * n
+    logits.float().logsumexp(-1).mean().backward()
+    backward = calls[n:]
+    want = n * ({"forward": 0, "grad_input": 1, "all": 2}[fast])
+    assert len(backward) == 2 * n and sum(backward) == want, backward
+    assert torch.isfinite(model.tok_embeddings.weight.grad).all()
 
 
 def test_weight_shards_are_cast_in_one_compiled_call_with_torchaos_bits():
