@@ -31,7 +31,15 @@ def test_each_variant_builds_what_it_names(monkeypatch):
     cfg = ModelConfig(n_layer=1, n_head=4, d_model=64, vocab_size=96, tie_embeddings=True)
     cpu = torch.device("cpu")
     built = {}
-    for name in ("bf16", "fp8", "fp8_head", "fp8_fastacc", "fp8_fastgi", "fp8_head_fastgi", "fp8_gwbf16"):
+    for name in (
+        "bf16",
+        "fp8",
+        "fp8_head",
+        "fp8_fastacc",
+        "fp8_fastgi",
+        "fp8_head_fastgi",
+        "fp8_gwbf16",
+    ):
         model = build_model(cfg, cpu)
         fv.build_variant(name, model, cpu)
         built[name] = _fp8(model)

@@ -343,7 +343,11 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
 
 @pytest.mark.parametrize(
     "head,fast,fast_gi,fast_gw",
-    [(False, "forward", False, False), (True, "grad_input", True, False), (False, "all", True, True)],
+    [
+        (False, "forward", False, False),
+        (True, "grad_input", True, False),
+        (False, "all", True, True),
+    ],
 )
 def test_fp8_lm_head_and_fast_accum_take_their_paths(head, fast, fast_gi, fast_gw):
     """precision.fp8_lm_head swaps the LM head too, keeping it tied to the embedding, and its

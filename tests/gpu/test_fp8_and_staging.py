@@ -1,7 +1,8 @@
 """On a CUDA device: the fp8 weight-gradient transposes run as their own op inside a compiled
 fp8 block (dtrain/lowp/fp8_layout.py) without changing what it computes beyond rounding, fsdp's
 fp8 weight shards are cast all at once in one compiled call, torchao's bits (dtrain/lowp/fp8.py),
-precision.fp8_lm_head and precision.fp8_fast_accum reach the fp8 GEMMs themselves, and the async checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
+precision.fp8_lm_head and precision.fp8_fast_accum reach the fp8 GEMMs themselves, and the async
+checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
 
 from __future__ import annotations
 
