@@ -371,7 +371,8 @@ def build_loss_scaler(precision: Precision, device: torch.device, *, sharded: bo
 
 
 def build_precision_optimizer(module: nn.Module, cfg, precision: Precision, device: torch.device):
-    """The optimizer for `precision`: torchao's AdamW8bit when optimizer_8bit, else AdamW."""
+    """The optimizer for `precision`: torchao's AdamW8bit (stepped in compiled groups:
+    dtrain/lowp/optim8bit.py) when optimizer_8bit, else AdamW."""
     from dtrain.optim import build_optimizer
 
     if not precision.optimizer_8bit:

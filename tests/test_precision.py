@@ -402,7 +402,7 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
     big = ModelConfig(n_layer=1, n_head=4, d_model=128, vocab_size=96, max_seq_len=64)
     strat = SingleStrategy(StrategyConfig(compile=False), prec, env)
     strat.setup(big, OptimConfig(warmup_steps=0), seed=0)
-    assert type(strat.optimizer).__name__ == "AdamW8bit"
+    assert type(strat.optimizer).__name__ == "GroupedAdamW8bit"
     x, y = _batch()
     strat.forward_backward(x, y, last_micro=True, loss_div=1)
     w = strat.module.layers["0"].ffn.w1.weight.detach().clone()
