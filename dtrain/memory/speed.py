@@ -71,7 +71,9 @@ PCIE_BYTES_PER_S = 25e9
 # Traced at 1b under fsdp on one H200 (call5_*): AdamW8bit.step held the host 216 ms a step for
 # 219 tensors while the GPU sat idle 204 ms a step waiting for launches; planned with this
 # constant, that run was 2.2% under its prediction. Unsharded parameters are not charged: not
-# measured with the current code.
+# measured with the current code. dtrain now steps these tensors in groups (GroupedAdamW8bit,
+# dtrain/lowp/optim8bit.py), not yet timed on a GPU (bench/optim8bit.py --fsdp): until then
+# this measured figure stays, the ceiling.
 HOST_S_PER_8BIT_DTENSOR_STEP = 0.77e-3
 
 
