@@ -103,6 +103,34 @@ def test_bf16_parameters_round_stochastically():
     assert not torch.equal(*ends)
 
 
+def test_fp8_all_gather_weights_are_stepped_as_plain_tensors():
+    """Under fsdp with precision=fp8, torchao wraps each weight in WeightWithDynamicFloat8CastTensor
+    (its fp8 all-gather): the step gets the wrapped tensor, so the compiled update sees no
+    subclass, and the result is the plain model's bit for bit."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapped
+
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    ours, ref = _model(), _model()
+    for lin in ours.values():
+        wrapped = Wrapped(lin.weight.data, LinearMMConfig(), torch.float8_e4m3fn)
+        lin.weight = nn.Parameter(wrapped)
+    opt, ref_opt = (build_adamw8bit(m, cfg, compiled=False) for m in (ours, ref))
+    seen, update = set(), opt._update
+
+    def spy(chunk, *args):
+        seen.update(type(t) for item in chunk for t in (item[0], *item[3], *item[4]))
+        return update(chunk, *args)
+
+    opt._update = spy
+    for step in range(3):
+        _step_both(ours, opt, ref, ref_opt, step)
+    assert seen == {torch.Tensor}
+    assert all(isinstance(lin.weight, Wrapped) for lin in ours.values())  # still wrapped
+    for a, b in zip(_states(opt), _states(ref_opt), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_like_tensors_are_chunked_together():
     """Grouped by shape and state layout, cut into near-equal chunks of at most 32."""
 

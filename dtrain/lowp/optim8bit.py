@@ -55,8 +55,13 @@ def build_adamw8bit(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard (FSDP2), the tensor itself otherwise: in place on it is in place on t."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A DTensor's shard (FSDP2), the tensor itself otherwise: in place on it is in place on t.
+    A shard that is torchao's fp8 all-gather weight (WeightWithDynamicFloat8CastTensor, under
+    fsdp with precision=fp8) gives the plain tensor it wraps, so the compiled step sees no
+    subclass (Dynamo would trace through it, with more guards and a graph per wrapper type)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    inner = getattr(t, "_tensor", None)
+    return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
 
 
 def _state_parts(state: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -63,18 +63,20 @@ OTHER_S_PER_MICRO = 0.5e-3  # a micro-batch to the GPU, launches outside compile
 # offload): bytes of state per second of one rank's share of a host, and PCIe per direction.
 HOST_OPTIM_BYTES_PER_S = 20e9
 PCIE_BYTES_PER_S = 25e9
-# torchao's AdamW8bit (precision.optimizer_8bit) steps every parameter tensor in a compiled call
-# of its own. Under FSDP2 (DTensor parameters and states) model=8b int8 on 2x H200 ran at 8,145
-# tokens/s per GPU (1.006 s a step) where the plan, pricing the step by its bytes (35 ms), said
-# 10,020 (0.818 s): 0.22 s more, 0.77 ms for each of the 291 tensors
-# (bench/results/2026-11-29-gpu-s17/call4_fsdp8b_int8_optim8bit/). Fitted to that one run.
-# Traced at 1b under fsdp on one H200 (call5_*): AdamW8bit.step held the host 216 ms a step for
-# 219 tensors while the GPU sat idle 204 ms a step waiting for launches; planned with this
-# constant, that run was 2.2% under its prediction. Unsharded parameters are not charged: not
-# measured with the current code. dtrain now steps these tensors in groups (GroupedAdamW8bit,
-# dtrain/lowp/optim8bit.py), not yet timed on a GPU (bench/optim8bit.py --fsdp): until then
-# this measured figure stays, the ceiling.
-HOST_S_PER_8BIT_DTENSOR_STEP = 0.77e-3
+# precision.optimizer_8bit steps AdamW with 8-bit moments (GroupedAdamW8bit, dtrain/lowp/
+# optim8bit.py): one compiled call per group of like tensors. Two measured costs, on H200s:
+# - Its kernels move the fewer bytes of 8-bit moments at a third of the rate the bytes model
+#   gives fused AdamW (dequantize, update, requantize in 256-element blocks; not profiled).
+#   Fitted to model=8b under fsdp on 2 GPUs: a step took 44 ms (int8) and 52 ms (fp8) longer
+#   with it than with fused AdamW in the same call; the factor that gives the plan those two
+#   speed ratios is 2.9 and 3.2 (bench/results/2026-11-29-gpu-s20/call3_*, call4_*). Alone at
+#   1b (bench/optim8bit.py, call1_*) it took 28.2 ms against fused AdamW's 10.9 ms.
+# - Its host: 26.4 ms (plain tensors) and 26.8 ms (FSDP2's DTensors) a step for 1b's 218
+#   tensors (call1_*), a floor that binds where the bytes are few (model=tiny).
+# torchao's own AdamW8bit (a call per tensor) held the host 0.77 ms a tensor under FSDP2
+# (bench/results/2026-11-29-gpu-s17/call4_*), the cost the grouping removed.
+EIGHT_BIT_STEP_SLOWDOWN = 3.0
+HOST_S_PER_8BIT_TENSOR = 0.123e-3
 
 
 @dataclass(frozen=True)
@@ -318,8 +320,9 @@ def optimizer_time(cfg: ModelConfig, setup: MemorySetup, machine: Machine) -> fl
     if offloaded:  # gradients down, updated parameters up, the step on the host
         return stepped * (state / HOST_OPTIM_BYTES_PER_S + (b.grad + b.param) / PCIE_BYTES_PER_S)
     gpu = stepped * state / (machine.hbm_bytes_per_s * HBM_EFFICIENCY)
-    if getattr(setup.precision, "optimizer_8bit", False) and facts.partition == "dim0":
-        return max(gpu, count_param_tensors(cfg) * HOST_S_PER_8BIT_DTENSOR_STEP)
+    if getattr(setup.precision, "optimizer_8bit", False):
+        gpu *= EIGHT_BIT_STEP_SLOWDOWN
+        return max(gpu, count_param_tensors(cfg) * HOST_S_PER_8BIT_TENSOR)
     return gpu
 
 
