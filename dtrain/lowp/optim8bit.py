@@ -58,7 +58,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard (FSDP2), the tensor itself otherwise: in place on it is in place on t.
     A shard that is torchao's fp8 all-gather weight (WeightWithDynamicFloat8CastTensor, under
     fsdp with precision=fp8) gives the plain tensor it wraps, so the compiled step sees no
-    subclass (Dynamo would trace through it, with more guards and a graph per wrapper type)."""
+    subclass: the graphs are those tested against torchao's (on the CPU Dynamo also traces the
+    wrapper, with right results, but that path never ran on a GPU)."""
     t = t.to_local() if hasattr(t, "to_local") else t
     inner = getattr(t, "_tensor", None)
     return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
