@@ -187,14 +187,17 @@ def markdown(rows: list[dict], summaries: dict, args, device: str) -> str:
         "",
         f"Command: `python bench/plan_validate.py {' '.join(sys.argv[1:])}`",
         "",
-        "| model | strategy | precision | GPUs | micro-batch | measured | predicted (datasheet) "
-        "| error | predicted (profile) | error | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | model | strategy | precision | GPUs | micro-batch | measured "
+        "| predicted (datasheet) | error | predicted (profile) | error | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cell = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['strategy']} | {r['precision']} | {r['nproc']} | "
+            # the run dir's name tells runs of one precision apart (options such as
+            # precision.optimizer_8bit are in the name, not in the columns)
+            f"| {r.get('name', '-')} | {r['model']} | {r['strategy']} | {r['precision']} | "
+            f"{r['nproc']} | "
             f"{r.get('micro_batch_size') or '-'} | "
             f"{cell(r.get('tokens_per_s_per_gpu'), '{:,.0f}')} | "
             f"{cell(r.get('predicted_tokens_per_s_per_gpu'), '{:,.0f}')} | "

@@ -645,6 +645,8 @@ def test_validation_scores_runs_made_for_other_benchmarks(tmp_path):
     (group,) = s["picks"]  # one model, world size, card and sequence length
     assert group == "1b x1 NVIDIA H200 seq 2048"
     assert s["picks"][group]["pick"] == "single1b_int8" and not s["picks"][group]["within"]
+    table = (tmp_path / "out" / "plan_validate.md").read_text()
+    assert "| single1b_fp8 | 1b | single | fp8 | 1 | 8 | 74,000 | 71,000 | -4.1% |" in table
 
 
 def test_validation_picks_compare_micro_batches_of_one_job(tmp_path):
