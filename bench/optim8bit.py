@@ -32,18 +32,17 @@ VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit")
 def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
     from dtrain.config import OptimConfig
     from dtrain.lowp.optim8bit import build_adamw8bit
+    from dtrain.optim import build_optimizer as build_adamw
     from dtrain.optim import param_groups
 
     cfg = OptimConfig()
-    groups = param_groups(model, cfg.weight_decay)
-    betas = (cfg.beta1, cfg.beta2)
-    if name == "adamw_fused":
-        fused = {"fused": True} if compiled else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **fused)
+    if name == "adamw_fused":  # dtrain's: fused on CUDA, foreach on the CPU
+        return build_adamw(model, cfg, next(model.parameters()).device)
     if name == "torchao_8bit":
         from torchao.optim import AdamW8bit
 
-        return AdamW8bit(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        groups = param_groups(model, cfg.weight_decay)
+        return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return build_adamw8bit(model, cfg, compiled=compiled)
 
 

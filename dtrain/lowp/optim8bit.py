@@ -165,6 +165,9 @@ def grouped_adamw8bit_class() -> type:
 
         def __init__(self, *args, compiled: bool = True, **kwargs):
             super().__init__(*args, **kwargs)
+            # Each param group's chunks (positions among the tensors with gradients), found on
+            # the first step: shapes and dtypes are fixed for the run, so not regrouped per step.
+            self._chunks: dict[tuple, list[list[int]]] = {}
             # Shapes are the model's, fixed for the run: one graph per group of like tensors.
             self._update = (
                 torch.compile(_adamw_tensors, fullgraph=True, dynamic=False)
@@ -178,17 +181,18 @@ def grouped_adamw8bit_class() -> type:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            for group in self.param_groups:
+            for g, group in enumerate(self.param_groups):
                 if group["amsgrad"]:
                     raise ValueError("GroupedAdamW8bit does not implement amsgrad")
                 if not isinstance(group["lr"], torch.Tensor):
                     raise RuntimeError(
                         "lr must stay a tensor: set it with param_groups[i]['lr'].fill_(lr)"
                     )
-                items, steps = [], []
-                for p in group["params"]:
+                items, steps, present = [], [], []
+                for i, p in enumerate(group["params"]):
                     if p.grad is None:
                         continue
+                    present.append(i)
                     if p.grad.is_sparse:
                         raise RuntimeError("Sparse gradient is not supported")
                     state = self.state[p]
@@ -212,11 +216,16 @@ def grouped_adamw8bit_class() -> type:
                 beta1, beta2 = group["betas"]
                 sr = self.bf16_stochastic_round
                 # Like torchao: the graphs are the model's, fixed in number; no cache limit.
+                key = (g, tuple(present))
+                if key not in self._chunks:
+                    at = {id(item): k for k, item in enumerate(items)}
+                    chunks = chunks_of_like_tensors(items)
+                    self._chunks[key] = [[at[id(item)] for item in c] for c in chunks]
                 with torch._dynamo.utils.disable_cache_limit():
-                    for chunk in chunks_of_like_tensors(items):
+                    for chunk in self._chunks[key]:
                         self._update(
-                            chunk, group["lr"], beta1, beta2, group["weight_decay"],
-                            group["eps"], sr,
+                            [items[k] for k in chunk], group["lr"], beta1, beta2,
+                            group["weight_decay"], group["eps"], sr,
                         )  # fmt: skip
             return loss
 
