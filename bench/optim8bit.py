@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit")
+VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit", "grouped_8bit_combo")
 
 
 def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
@@ -43,16 +43,50 @@ def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
 
         groups = param_groups(model, cfg.weight_decay)
         return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    # grouped_8bit_combo: Inductor's combo kernels (one launch for a group's like kernels)
+    torch._inductor.config.combo_kernels = name == "grouped_8bit_combo"
     return build_adamw8bit(model, cfg, compiled=compiled)
 
 
-def run_one(name: str, model_name: str, fsdp: bool, iters: int, smoke: bool) -> dict:
+def gpu_profile(opt, steps: int = 2) -> dict:
+    """Kernels a step, as CUDA runs them: how many, their summed time (the GPU's busy time,
+    against the wall time where the host is the limit) and the five that take longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:5]
+    return {
+        "kernels_step": len(kernels) / steps,
+        "gpu_ms_step": round(sum(e.device_time for e in kernels) / steps / 1e3, 3),
+        "top_kernels": [
+            {
+                "name": n[:90],
+                "count_step": len(t) / steps,
+                "ms_step": round(sum(t) / steps / 1e3, 3),
+            }
+            for n, t in top
+        ],
+    }
+
+
+def run_one(
+    name: str, model_name: str, fsdp: bool, iters: int, smoke: bool, layers: int | None, prof: bool
+) -> dict:
     from dtrain.config import compose
     from dtrain.model import build_model
 
     dev = torch.device("cpu" if smoke else "cuda")
     mcfg = compose([f"model={model_name}"]).model
     mcfg.vocab_size = 50304  # GPT-2's, as bench/lowp.sh trains 1b
+    if layers:  # the model's shapes with fewer blocks: 8b's fit one GPU beside fused AdamW
+        mcfg.n_layer = layers
     model = build_model(mcfg, dev, seed=0)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -92,9 +126,11 @@ def run_one(name: str, model_name: str, fsdp: bool, iters: int, smoke: bool) -> 
     sync()
     wall = (time.perf_counter() - t0) / iters
     n_tensors = sum(1 for _ in model.parameters())
+    extra = gpu_profile(opt) if prof and dev.type == "cuda" else {}
     return {
         "variant": name,
         "model": model_name,
+        "layers": mcfg.n_layer,
         "fsdp": fsdp,
         "tensors": n_tensors,
         "params": sum(p.numel() for p in model.parameters()),
@@ -104,6 +140,7 @@ def run_one(name: str, model_name: str, fsdp: bool, iters: int, smoke: bool) -> 
         "peak_reserved_gib": (
             round(torch.cuda.max_memory_reserved() / 2**30, 2) if dev.type == "cuda" else None
         ),
+        **extra,
     }
 
 
@@ -113,6 +150,8 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2's DTensors on one rank")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layers", type=int, help="blocks, if not the model's")
+    ap.add_argument("--profile", action="store_true", help="CUDA: kernels a step and GPU time")
     ap.add_argument("--smoke", action="store_true", help="CPU, model=tiny, eager, one step")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -133,7 +172,9 @@ def main() -> None:
         if not args.smoke:
             torch.cuda.set_device(0)
     for name in names:
-        row = run_one(name, args.model, args.fsdp, args.iters, args.smoke)
+        row = run_one(
+            name, args.model, args.fsdp, args.iters, args.smoke, args.layers, args.profile
+        )
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:

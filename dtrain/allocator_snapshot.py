@@ -85,31 +85,44 @@ def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
 
     alloc = {k: at_end(k, "allocated") - net_alloc[k] for k in names}  # at the trace's start
     peak = dict(alloc)
-    live: dict[int, tuple[int, str, str]] = {}  # addr -> (size, stream, where)
-    best_total, best = sum(alloc.values()), (dict(alloc), [])
-    for e in trace:
+    best_total, best_at, best_alloc = sum(alloc.values()), -1, dict(alloc)
+    for i, e in enumerate(trace):
         sign = _ALLOCATED.get(e["action"])
         if sign is None:
             continue
         stream = str(e.get("stream", 0))
         alloc[stream] += sign * e["size"]
         peak[stream] = max(peak[stream], alloc[stream])
-        if sign > 0:
-            live[e["addr"]] = (e["size"], stream, _where(e.get("frames") or []))
-        else:
-            live.pop(e["addr"], None)
         total = sum(alloc.values())
         if total > best_total:
-            largest = sorted(live.values(), reverse=True)[:top]
-            best_total, best = total, (dict(alloc), largest)
+            best_total, best_at, best_alloc = total, i, dict(alloc)
+    # Replayed again to the peak's event: what was live then, and who asked for it.
+    live: dict[int, tuple[int, str, str]] = {}  # addr -> (size, stream, where)
+    for e in trace[: best_at + 1]:
+        sign = _ALLOCATED.get(e["action"])
+        if sign is None:
+            continue
+        if sign > 0:
+            live[e["addr"]] = (e["size"], e.get("stream", 0), _where(e.get("frames") or []))
+        else:
+            live.pop(e["addr"], None)
+    largest = sorted(((n, str(s), w) for n, s, w in live.values()), reverse=True)[:top]
+    by_where: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for n, _, w in live.values():
+        by_where[w][0] += n
+        by_where[w][1] += 1
+    sites = sorted(by_where.items(), key=lambda kv: -kv[1][0])[: 2 * top]
     return {
         "streams": {
             k: {"peak_allocated": peak[k], "reserved": at_end(k, "reserved")} for k in names
         },
         "peak_allocated": best_total,
         "at_peak": {
-            "allocated": best[0],
-            "largest": [{"size": n, "stream": s, "where": w} for n, s, w in best[1]],
+            "allocated": best_alloc,
+            "largest": [{"size": n, "stream": s, "where": w} for n, s, w in largest],
+            # The traced part of the peak summed by the line that asked for it: many
+            # allocations of one line (a block's saved activations) outweigh one large one.
+            "by_where": [{"bytes": b, "count": c, "where": w} for w, (b, c) in sites],
         },
     }
 

@@ -95,6 +95,33 @@ def test_off_cuda_it_is_refused_in_one_line(tmp_path):
         train(tmp_path / "run2", "profile.memory_snapshot_steps=-1")
 
 
+def test_the_peak_is_summed_by_the_line_that_asked_for_it():
+    # Three 5 MiB allocations of one line outweigh one of 12: by_where says so, largest
+    # names the 12; what was freed before the peak (line 3) is in neither.
+    def ev(action, addr, size, line):
+        frames = [{"filename": "/x/model.py", "line": line, "name": "fwd"}]
+        return dict(action=action, addr=addr, size=size, stream=0, frames=frames)
+
+    trace = [
+        ev("alloc", 1, 9 * MiB, 3),
+        ev("free_requested", 1, 9 * MiB, 3),
+        ev("alloc", 2, 12 * MiB, 4),
+        *(ev("alloc", 10 + k, 5 * MiB, 5) for k in range(3)),
+        ev("free_requested", 10, 5 * MiB, 5),
+    ]
+    # At the end 24 MiB allocated: 2 MiB were before the trace (its net change is 22).
+    end = {"stream": 0, "total_size": 32 * MiB, "allocated_size": 24 * MiB, "blocks": []}
+    t = snap.timeline({"segments": [end], "device_traces": [trace]}, top=1)
+    assert t["peak_allocated"] == 2 * MiB + 27 * MiB
+    assert t["at_peak"]["by_where"] == [
+        {"bytes": 15 * MiB, "count": 3, "where": "/x/model.py:5 (fwd)"},
+        {"bytes": 12 * MiB, "count": 1, "where": "/x/model.py:4 (fwd)"},
+    ]
+    assert t["at_peak"]["largest"] == [
+        {"size": 12 * MiB, "stream": "0", "where": "/x/model.py:4 (fwd)"}
+    ]
+
+
 def test_the_timeline_replays_each_streams_peak_and_names_what_was_live_at_the_peak():
     # Stream 0 ends with 14 MiB allocated of 22 reserved, stream 7 with 0 of 40 (SNAPSHOT's
     # end state). Traced: stream 7 took 30 MiB and gave it back before stream 0 peaked, so
