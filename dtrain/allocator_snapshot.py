@@ -107,11 +107,10 @@ def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
         else:
             live.pop(e["addr"], None)
     largest = sorted(((n, str(s), w) for n, s, w in live.values()), reverse=True)[:top]
-    by_where: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_where: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # size: count
     for n, _, w in live.values():
-        by_where[w][0] += n
-        by_where[w][1] += 1
-    sites = sorted(by_where.items(), key=lambda kv: -kv[1][0])[: 2 * top]
+        by_where[w][n] += 1
+    sites = sorted(by_where.items(), key=lambda kv: -sum(n * c for n, c in kv[1].items()))
     return {
         "streams": {
             k: {"peak_allocated": peak[k], "reserved": at_end(k, "reserved")} for k in names
@@ -122,7 +121,16 @@ def timeline(snapshot: dict, device: int = 0, top: int = 8) -> dict:
             "largest": [{"size": n, "stream": s, "where": w} for n, s, w in largest],
             # The traced part of the peak summed by the line that asked for it: many
             # allocations of one line (a block's saved activations) outweigh one large one.
-            "by_where": [{"bytes": b, "count": c, "where": w} for w, (b, c) in sites],
+            # With its sizes (the three most frequent): what the allocations were.
+            "by_where": [
+                {
+                    "bytes": sum(n * c for n, c in sizes.items()),
+                    "count": sum(sizes.values()),
+                    "sizes": sorted(sizes.items(), key=lambda nc: (-nc[1], -nc[0]))[:3],
+                    "where": w,
+                }
+                for w, sizes in sites[: 2 * top]
+            ],
         },
     }
 

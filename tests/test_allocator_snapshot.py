@@ -114,8 +114,8 @@ def test_the_peak_is_summed_by_the_line_that_asked_for_it():
     t = snap.timeline({"segments": [end], "device_traces": [trace]}, top=1)
     assert t["peak_allocated"] == 2 * MiB + 27 * MiB
     assert t["at_peak"]["by_where"] == [
-        {"bytes": 15 * MiB, "count": 3, "where": "/x/model.py:5 (fwd)"},
-        {"bytes": 12 * MiB, "count": 1, "where": "/x/model.py:4 (fwd)"},
+        {"bytes": 15 * MiB, "count": 3, "sizes": [(5 * MiB, 3)], "where": "/x/model.py:5 (fwd)"},
+        {"bytes": 12 * MiB, "count": 1, "sizes": [(12 * MiB, 1)], "where": "/x/model.py:4 (fwd)"},
     ]
     assert t["at_peak"]["largest"] == [
         {"size": 12 * MiB, "stream": "0", "where": "/x/model.py:4 (fwd)"}
