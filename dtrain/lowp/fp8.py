@@ -21,7 +21,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.hardware import fp8_gemm_dims_ok
-from dtrain.lowp.fp8_layout import install_transposes_apart
+from dtrain.lowp.fp8_layout import install_transposes_apart, install_weight_transposes_in_backward
 
 
 def fp8_shape_ok(module: nn.Module) -> bool:
@@ -73,6 +73,7 @@ def apply_fp8(
         install_transposes_apart()
     if fsdp_fp8:
         install_cached_weight_cast()
+        install_weight_transposes_in_backward()
     return len(selected)
 
 
