@@ -1,10 +1,13 @@
 """The optimizer step alone, at a model's parameter shapes: fused AdamW, torchao's AdamW8bit
-(one compiled call per tensor) and dtrain's grouped step of it (dtrain/lowp/optim8bit.py), on
-plain tensors or, with --fsdp, on FSDP2's DTensors (fully_shard on one rank, each block and
-then the root, as strategy=fsdp shards them).
+(one compiled call per tensor) and dtrain's step of it (dtrain/lowp/optim8bit.py: grouped_8bit
+as training takes it, the Triton kernel on CUDA; grouped_8bit_compiled, every tensor in
+compiled groups), on plain tensors or, with --fsdp, on FSDP2's DTensors (fully_shard on one
+rank, each block and then the root, as strategy=fsdp shards them).
 
     python bench/optim8bit.py --model 1b --out $OUT/optim8bit.jsonl            # CUDA
     python bench/optim8bit.py --model 1b --fsdp --out $OUT/optim8bit_fsdp.jsonl
+    python bench/optim8bit.py --model 8b --layers 8 --profile   # 8b's shapes on one GPU, and
+        # per variant the kernels a step, their GPU time and the five longest
     python bench/optim8bit.py --smoke       # CPU: model=tiny, eager, one step each: it runs
 
 Each variant prints one JSON line: ms a step (wall, synchronised after the timed steps), the
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit", "grouped_8bit_combo")
+VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit", "grouped_8bit_compiled")
 
 
 def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
@@ -43,8 +46,9 @@ def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
 
         groups = param_groups(model, cfg.weight_decay)
         return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    # grouped_8bit_combo: Inductor's combo kernels (one launch for a group's like kernels)
-    torch._inductor.config.combo_kernels = name == "grouped_8bit_combo"
+    # grouped_8bit: dtrain's step as training takes it (the Triton kernel on CUDA where it
+    # applies); grouped_8bit_compiled: every tensor on the compiled path
+    os.environ["DTRAIN_OPTIM8BIT"] = "compiled" if name == "grouped_8bit_compiled" else "triton"
     return build_adamw8bit(model, cfg, compiled=compiled)
 
 

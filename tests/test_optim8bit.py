@@ -190,3 +190,66 @@ def test_grouped_step_on_fsdp2_dtensors(tmp_path):
     for r in (0, 1):
         line = (tmp_path / f"rank{r}.txt").read_text().split()
         assert line == ["params", "True", "states", "True", "eight_bit", "4", "moved", "True"]
+
+
+_KERNEL_CHECK = """
+import torch
+torch.compile = lambda fn=None, **kw: fn  # torchao's reference step, eager on CPU
+from torchao.optim import AdamW8bit
+from dtrain.config import OptimConfig
+from dtrain.lowp.optim8bit import build_adamw8bit
+from dtrain.optim import param_groups, set_lr
+from tests.test_optim8bit import _grads, _model, _states
+
+cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+ours, ref = _model(), _model()
+start = [p.detach().clone() for p in ours.parameters()]
+opt = build_adamw8bit(ours, cfg, compiled=False)
+groups = param_groups(ref, cfg.weight_decay)
+ref_opt = AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+for step in range(4):
+    if step == 2:
+        set_lr(opt, 3e-3)
+        set_lr(ref_opt, 3e-3)
+        sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+        opt.load_state_dict(ref_sd)
+        ref_opt.load_state_dict(sd)
+    for m in (ours, ref):
+        _grads(m, seed=step)
+    opt.step()
+    ref_opt.step()
+fused = sum(len(f) for f, _ in opt._chunks.values())
+worst = max((a - b).abs().max().item()
+            for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
+moved = all(not torch.equal(a, b) for a, b in zip(ours.parameters(), start, strict=True))
+codes = [(a != b).float().mean().item() for a, b in zip(_states(opt), _states(ref_opt))
+         if a.dtype == torch.uint8]
+print("RESULT", fused, worst, int(moved), max(codes), len(codes))
+"""
+
+
+@pytest.mark.parametrize("path", ["triton", "compiled"])
+def test_the_triton_kernel_steps_8bit_tensors_as_torchao_does(path):
+    """The CUDA kernel (dtrain/lowp/optim8bit_triton.py) run on CPU by Triton's interpreter,
+    through an lr change and a state-dict swap with torchao's own step: it takes exactly the
+    three fp32 matrices with 8-bit moments (the rest stay on the compiled path) and leaves the
+    parameters and states torchao's to fp32 rounding. DTRAIN_OPTIM8BIT=compiled takes none."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    pytest.importorskip("triton")
+    env = cli_env()
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", DTRAIN_OPTIM8BIT=path)
+    res = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CHECK],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT"))
+    fused, worst, moved, codes_off, n_codes = line.split()[1:]
+    assert int(fused) == (3 if path == "triton" else 0)
+    assert int(moved) == 1 and int(n_codes) == 6
+    assert float(worst) < 1e-7  # parameters near 0.1: a few fp32 ulps after 4 steps
+    assert float(codes_off) < 1e-3  # a code may round the other way where fp32 differs

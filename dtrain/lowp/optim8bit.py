@@ -3,11 +3,15 @@ instead of 8, block-wise (256) scaled. torchao's works with FSDP2's DTensors (bi
 not). Tensors under 4096 elements keep fp32 moments (torchao's rule: too small to matter).
 
 dtrain steps it in a few compiled calls instead of torchao's one per tensor (GroupedAdamW8bit):
-the same states, arithmetic and checkpoints, less host time."""
+the same states, arithmetic and checkpoints, less host time. On CUDA each fp32 parameter whose
+two moments are 8-bit is stepped by one Triton kernel instead (dtrain/lowp/optim8bit_triton.py:
+the blocks in registers, 16 bytes moved a parameter against Inductor's 32);
+DTRAIN_OPTIM8BIT=compiled keeps every tensor on the compiled path (A/B runs)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -121,6 +125,25 @@ def _signature(item) -> tuple:
     )
 
 
+def fused_kernel_takes(item) -> bool:
+    """Whether the Triton kernel steps this (param, grad, step, exp_avg, exp_avg_sq): on CUDA
+    (or in Triton's interpreter: the CPU test), an fp32 contiguous parameter with a gradient
+    of its shape, both moments 8-bit, the step count on the host (no sync to read it)."""
+    p, grad, step, exp_avg, exp_avg_sq = item
+    if os.environ.get("DTRAIN_OPTIM8BIT", "triton") != "triton":
+        return False
+    if not (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return (
+        p.dtype == torch.float32
+        and p.is_contiguous()
+        and grad.shape == p.shape
+        and grad.is_contiguous()
+        and len(exp_avg) == len(exp_avg_sq) == 3
+        and step.device.type == "cpu"
+    )
+
+
 def chunks_of_like_tensors(
     items: list, most: int = GROUP_TENSORS, elements: int = GROUP_ELEMENTS
 ) -> list[list]:
@@ -165,9 +188,10 @@ def grouped_adamw8bit_class() -> type:
 
         def __init__(self, *args, compiled: bool = True, **kwargs):
             super().__init__(*args, **kwargs)
-            # Each param group's chunks (positions among the tensors with gradients), found on
-            # the first step: shapes and dtypes are fixed for the run, so not regrouped per step.
-            self._chunks: dict[tuple, list[list[int]]] = {}
+            # Each param group's plan, found on the first step (shapes, dtypes and states are
+            # fixed for the run): the positions, among the tensors with gradients, that the
+            # Triton kernel steps, and the chunks of the rest, one compiled call each.
+            self._chunks: dict[tuple, tuple[list[int], list[list[int]]]] = {}
             # Shapes are the model's, fixed for the run: one graph per group of like tensors.
             self._update = (
                 torch.compile(_adamw_tensors, fullgraph=True, dynamic=False)
@@ -218,11 +242,25 @@ def grouped_adamw8bit_class() -> type:
                 # Like torchao: the graphs are the model's, fixed in number; no cache limit.
                 key = (g, tuple(present))
                 if key not in self._chunks:
+                    fused = [k for k, item in enumerate(items) if fused_kernel_takes(item)]
+                    rest = [item for k, item in enumerate(items) if k not in set(fused)]
                     at = {id(item): k for k, item in enumerate(items)}
-                    chunks = chunks_of_like_tensors(items)
-                    self._chunks[key] = [[at[id(item)] for item in c] for c in chunks]
+                    chunks = [[at[id(item)] for item in c] for c in chunks_of_like_tensors(rest)]
+                    self._chunks[key] = (fused, chunks)
+                fused, chunks = self._chunks[key]
+                if fused:
+                    from dtrain.lowp.optim8bit_triton import adamw8bit_step
+
+                    # torchao keeps lr a CPU tensor: read without a sync (one a group if not)
+                    lr = float(group["lr"])
+                    for k in fused:
+                        p, grad, step, exp_avg, exp_avg_sq = items[k]
+                        adamw8bit_step(
+                            p, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                        )  # fmt: skip
                 with torch._dynamo.utils.disable_cache_limit():
-                    for chunk in self._chunks[key]:
+                    for chunk in chunks:
                         self._update(
                             [items[k] for k in chunk], group["lr"], beta1, beta2,
                             group["weight_decay"], group["eps"], sr,

@@ -1,0 +1,115 @@
+"""torchao's AdamW8bit step for one tensor in one Triton kernel (dtrain/lowp/optim8bit.py
+takes it on CUDA for fp32 parameters whose two moments are both 8-bit).
+
+Why by hand: Inductor compiles torchao's arithmetic for one tensor into a reduction kernel
+that writes both updated moments in fp32 (the block scales need their absmax first) and two
+pointwise kernels that read them back to quantize them. At model=8b's shapes on an H200
+(bench/optim8bit.py --model 8b --layers 8 --profile, 2.16B parameters, 2026-11-29) that step
+took 40.8 ms of GPU time against fused AdamW's 17.2 ms: about 32 bytes moved per parameter,
+and the quantizing kernels alone 26 ms. Here each program holds whole 256-element blocks in
+registers: the parameter, its gradient and the two 8-bit moments are read once and written
+once (16 bytes a parameter), the absmax is taken in registers, and nothing goes back to memory
+in fp32.
+
+The arithmetic is torchao's (quant_utils: dequant_with_qmap, scale_tensor,
+quantize_8bit_with_qmap; adam.single_param_adam), op for op: the same states to fp32 rounding
+(a code may round the other way where fp32 differs in its last bit; tests/gpu). With
+TRITON_INTERPRET=1 it runs on CPU tensors in Triton's interpreter (the CPU test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 256  # torchao's block size: one scale per 256 elements
+# Blocks a program takes: 8 x 256 = 2,048 elements, 8 warps (each thread 8 elements of each
+# tensor in registers).
+ROWS = 8
+
+
+@triton.jit
+def _quantize(x, qmap):
+    """torchao's quantize_8bit_with_qmap: the binary search for the largest code whose value
+    is at most x, then the nearer of it and the next."""
+    codes = tl.where(x >= tl.load(qmap + 128), 128, 0)
+    for k in tl.static_range(7):
+        codes += tl.where(x >= tl.load(qmap + codes + (64 >> k)), 64 >> k, 0)
+    up = tl.minimum(codes + 1, 255)
+    down_val = tl.load(qmap + codes)
+    up_val = tl.load(qmap + up)
+    return tl.where(x - down_val >= (up_val - down_val) * 0.5, up, codes)
+
+
+@triton.jit
+def _moment(codes_ptr, scale_ptr, qmap, offs, rows, mask, row_mask, target, weight):
+    """One moment: dequantized, lerped toward `target` (torch.lerp's formula), scaled by its
+    blocks' absmax and stored as codes and scales; returns the fp32 moment."""
+    codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    old = tl.load(qmap + codes) * scale[:, None]
+    if weight < 0.5:
+        new = old + weight * (target - old)
+    else:
+        new = target - (target - old) * (1.0 - weight)
+    absmax = tl.maximum(tl.max(tl.where(mask, tl.abs(new), 0.0), axis=1), 1e-12)
+    q = _quantize(new / absmax[:, None], qmap)
+    tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + rows, absmax, mask=row_mask)
+    return new
+
+
+@triton.jit
+def _adamw8bit_kernel(
+    p_ptr, g_ptr, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, n_rows,
+    lr, beta1, beta2, weight_decay, eps, bias_correction1, bias_correction2_sqrt,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = row_mask[:, None]
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p - lr * weight_decay * p
+    m = _moment(m_codes, m_scale, m_qmap, offs, rows, mask, row_mask, g, 1.0 - beta1)
+    v = _moment(v_codes, v_scale, v_qmap, offs, rows, mask, row_mask, g * g, 1.0 - beta2)
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+    p = p - lr * (m / bias_correction1) / denom
+    tl.store(p_ptr + offs, p, mask=mask)
+
+
+def adamw8bit_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    exp_avg_sq: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One AdamW step of fp32 `p` (contiguous) in place, its moments each (codes, scale,
+    qmap) as torchao's OptimState8bit holds them; `step` (a CPU tensor, as torchao keeps it)
+    counts this one. The bias corrections are torchao's fp32 ones, computed on the host."""
+    n = p.numel()
+    if n % BLOCK:
+        raise ValueError(f"{n} elements is not a whole number of {BLOCK}-element blocks")
+    n_rows = n // BLOCK
+    grid = (triton.cdiv(n_rows, ROWS),)
+    bias_correction1 = float(1 - beta1**step)
+    bias_correction2_sqrt = float((1 - beta2**step).sqrt())
+    with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
+        _adamw8bit_kernel[grid](
+            p, grad, *exp_avg, *exp_avg_sq, n_rows,
+            lr, beta1, beta2, weight_decay, eps,
+            bias_correction1, bias_correction2_sqrt,
+            ROWS=ROWS, BLOCK=BLOCK, num_warps=8,
+        )  # fmt: skip
