@@ -11,8 +11,9 @@ pytestmark = pytest.mark.gpu
 
 def test_grouped_step_matches_torchaos_compiled_step():
     """model=tiny's shapes, 3 steps from the same gradients: the same parameters and 8-bit
-    states as torchao's (Inductor may fuse the two differently: equal to fp32 rounding), from
-    fewer compiled graphs than tensors."""
+    states as torchao's (Inductor may fuse the two differently, and the Triton kernel is
+    another compilation: equal to fp32 rounding, but for the rare code rounded the other way),
+    from fewer compiled graphs than tensors."""
     pytest.importorskip("torchao")
     from torch._dynamo.utils import counters
     from torchao.optim import AdamW8bit
@@ -45,7 +46,10 @@ def test_grouped_step_matches_torchaos_compiled_step():
     n = sum(1 for _ in ours.parameters())
     assert graphs < n / 2, (graphs, n)
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+        # Equal to fp32 rounding but where a code rounded the other way (below): that moves
+        # an element by a fraction of a step (the coarsest code is 1.4% of its block's max).
+        close = torch.isclose(a, b, rtol=1e-6, atol=1e-7).float().mean()
+        assert close > 0.999 and (a - b).abs().max() < 0.1 * cfg.lr, (a - b).abs().max()
     codes = [
         (opt.state[a]["exp_avg"].codes, ref_opt.state[b]["exp_avg"].codes)
         for a, b in zip(ours.parameters(), ref.parameters(), strict=True)
