@@ -58,5 +58,6 @@ def test_grouped_step_matches_torchaos_compiled_step():
     assert codes
     # Every fp32 tensor with 8-bit moments took the Triton kernel (optim8bit_triton.py).
     assert sum(len(fused) for fused, _ in opt._chunks.values()) == len(codes)
-    for x, y in codes:  # a code may round the other way where fp32 differs in its last bit
-        assert (x != y).float().mean() < 1e-3
+    for x, y in codes:  # a code may round to its neighbour where fp32 differs in its last bit
+        off = (x.int() - y.int()).abs()
+        assert off.max() <= 1 and (off > 0).float().mean() < 1e-2, (off > 0).float().mean()
