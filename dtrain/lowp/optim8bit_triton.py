@@ -15,9 +15,9 @@ The arithmetic is torchao's (quant_utils: dequant_with_qmap, scale_tensor,
 quantize_8bit_with_qmap; adam.single_param_adam), op for op, with the rounding Inductor's code
 for them has: `/` (approximate on CUDA) and tl.sqrt_rn. IEEE division (tl.div_rn) made the
 step 1.2x slower at 8b's shapes on an H200 (38.7 ms, against 32.1 with `/` and tl.sqrt) and
-no closer to torchao's compiled step. The two compilations agree to fp32 rounding, and where that rounding differs a
-code may round to its neighbour (tests/gpu). With
-TRITON_INTERPRET=1 it runs on CPU tensors in Triton's interpreter (the CPU test).
+no closer to torchao's compiled step. The two compilations agree to fp32 rounding, and where
+that rounding differs a code may round to its neighbour (tests/gpu). With TRITON_INTERPRET=1
+it runs on CPU tensors in Triton's interpreter (the CPU test).
 """
 
 from __future__ import annotations
