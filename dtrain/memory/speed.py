@@ -64,18 +64,22 @@ OTHER_S_PER_MICRO = 0.5e-3  # a micro-batch to the GPU, launches outside compile
 HOST_OPTIM_BYTES_PER_S = 20e9
 PCIE_BYTES_PER_S = 25e9
 # precision.optimizer_8bit steps AdamW with 8-bit moments (GroupedAdamW8bit, dtrain/lowp/
-# optim8bit.py): one compiled call per group of like tensors. Two measured costs, on H200s:
-# - Its kernels move the fewer bytes of 8-bit moments at a third of the rate the bytes model
-#   gives fused AdamW (dequantize, update, requantize in 256-element blocks; not profiled).
-#   Fitted to model=8b under fsdp on 2 GPUs: a step took 44 ms (int8) and 52 ms (fp8) longer
-#   with it than with fused AdamW in the same call; the factor that gives the plan those two
-#   speed ratios is 2.9 and 3.2 (bench/results/2026-11-29-gpu-s20/call3_*, call4_*). Alone at
-#   1b (bench/optim8bit.py, call1_*) it took 28.2 ms against fused AdamW's 10.9 ms.
-# - Its host: 26.4 ms (plain tensors) and 26.8 ms (FSDP2's DTensors) a step for 1b's 218
-#   tensors (call1_*), a floor that binds where the bytes are few (model=tiny).
+# optim8bit.py): on CUDA a Triton kernel per fp32 tensor whose moments are 8-bit, compiled
+# groups for the rest. Two measured costs, on H200s:
+# - Its kernel moves the fewer bytes of 8-bit moments at 1/2.5 the rate the bytes model gives
+#   fused AdamW (each element also looks its two codes up in, and binary-searches, a 256-entry
+#   table). Fitted to model=8b under fsdp on 2 GPUs: with fp8 and int8 it ran at 1.227x and
+#   1.039x the bf16 run of its call; the factor that gives the plan those ratios is 2.5
+#   (1.232x, 1.036x; bench/results/2026-11-29-gpu-s21/call6_*). Alone at 8b's shapes (2.16B
+#   parameters, bench/optim8bit.py, call5_*) it took 32.1 ms against fused AdamW's 17.4 ms;
+#   Inductor's compiled step of the same arithmetic 41.2 ms.
+# - Its host: 16.8 ms a step for 1b's 218 tensors, 10.4 ms for the 75 of 8b's shapes with 8
+#   blocks (call5_*; a Triton launch a tensor), a floor that binds where the bytes are few
+#   (model=tiny); 0.123 ms a tensor, as the compiled groups before it held the host
+#   (2026-11-29-gpu-s20/call1_*).
 # torchao's own AdamW8bit (a call per tensor) held the host 0.77 ms a tensor under FSDP2
 # (bench/results/2026-11-29-gpu-s17/call4_*), the cost the grouping removed.
-EIGHT_BIT_STEP_SLOWDOWN = 3.0
+EIGHT_BIT_STEP_SLOWDOWN = 2.5
 HOST_S_PER_8BIT_TENSOR = 0.123e-3
 
 
