@@ -182,8 +182,10 @@ def grouped_adamw8bit_class() -> type:
         step waiting for launches (docs/benchmarks.md, seventeenth session; dtrain/memory/
         speed.py). Here the DTensors and torchao's 8-bit states are unwrapped to their plain
         tensors first, and each group of tensors of one shape (chunks_of_like_tensors) is
-        updated by one compiled call. The states, the arithmetic (torchao's own functions, op
-        for op) and the state dict are torchao's, so checkpoints move between the two.
+        updated by one compiled call; on CUDA each fp32 tensor whose moments are both 8-bit
+        is stepped by one Triton kernel instead (fused_kernel_takes, optim8bit_triton.py). The
+        states, the arithmetic (torchao's own functions, op for op) and the state dict are
+        torchao's, so checkpoints move between the two.
         """
 
         def __init__(self, *args, compiled: bool = True, **kwargs):
@@ -243,7 +245,8 @@ def grouped_adamw8bit_class() -> type:
                 key = (g, tuple(present))
                 if key not in self._chunks:
                     fused = [k for k, item in enumerate(items) if fused_kernel_takes(item)]
-                    rest = [item for k, item in enumerate(items) if k not in set(fused)]
+                    taken = set(fused)
+                    rest = [item for k, item in enumerate(items) if k not in taken]
                     at = {id(item): k for k, item in enumerate(items)}
                     chunks = [[at[id(item)] for item in c] for c in chunks_of_like_tensors(rest)]
                     self._chunks[key] = (fused, chunks)
