@@ -68,7 +68,7 @@ def _moment(codes_ptr, scale_ptr, qmap, offs, rows, mask, row_mask, target, weig
 @triton.jit
 def _adamw8bit_kernel(
     p_ptr, g_ptr, m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, n_rows,
-    lr, beta1, beta2, weight_decay, eps, bias_correction1, bias_correction2_sqrt,
+    lr, weight1, weight2, weight_decay, eps, bias_correction1, bias_correction2_sqrt,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
@@ -79,8 +79,8 @@ def _adamw8bit_kernel(
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p = p - lr * weight_decay * p
-    m = _moment(m_codes, m_scale, m_qmap, offs, rows, mask, row_mask, g, 1.0 - beta1)
-    v = _moment(v_codes, v_scale, v_qmap, offs, rows, mask, row_mask, g * g, 1.0 - beta2)
+    m = _moment(m_codes, m_scale, m_qmap, offs, rows, mask, row_mask, g, weight1)
+    v = _moment(v_codes, v_scale, v_qmap, offs, rows, mask, row_mask, g * g, weight2)
     denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
     p = p - lr * (m / bias_correction1) / denom
     tl.store(p_ptr + offs, p, mask=mask)
@@ -107,12 +107,15 @@ def adamw8bit_step(
         raise ValueError(f"{n} elements is not a whole number of {BLOCK}-element blocks")
     n_rows = n // BLOCK
     grid = (triton.cdiv(n_rows, ROWS),)
+    # The lerp weights as torchao passes them: 1 - beta in double, then one fp32 rounding
+    # (1 - 0.9 is 0.1f so; in the kernel's fp32, 1 - 0.9f is 0.100000024).
+    weight1, weight2 = 1 - beta1, 1 - beta2
     bias_correction1 = float(1 - beta1**step)
     bias_correction2_sqrt = float((1 - beta2**step).sqrt())
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         _adamw8bit_kernel[grid](
             p, grad, *exp_avg, *exp_avg_sq, n_rows,
-            lr, beta1, beta2, weight_decay, eps,
+            lr, weight1, weight2, weight_decay, eps,
             bias_correction1, bias_correction2_sqrt,
             ROWS=ROWS, BLOCK=BLOCK, num_warps=8,
         )  # fmt: skip
