@@ -57,25 +57,33 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[1], x.shape[0]))
 
 
-def _transposed_source(node: fx.Node) -> fx.Node | None:
-    """The contiguous 2-D fp8 tensor `node` copies transposed, or None."""
-    aten = torch.ops.aten
-    if node.op != "call_function" or node.target is not aten.clone.default:
+def _contiguous_copy_of(node: fx.Node):
+    """What `node` copies, where it is an explicit contiguous copy (torchao asks for one: a
+    clone without it keeps its input's layout, which a contiguous output would not), or None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.clone.default:
         return None
-    # Only an explicit contiguous copy (torchao asks for one): a clone without it keeps its
-    # input's layout, which the op's contiguous output would not.
     if node.kwargs.get("memory_format") is not torch.contiguous_format:
         return None
-    perm = node.args[0]
-    if not (isinstance(perm, fx.Node) and perm.target is aten.permute.default):
+    return node.args[0]
+
+
+def _fp8_2d(node) -> torch.Tensor | None:
+    """The example value of `node` where it is a 2-D fp8 tensor, or None."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    ok = isinstance(val, torch.Tensor) and val.dtype in _FP8 and val.dim() == 2
+    return val if ok else None
+
+
+def _transposed_source(node: fx.Node) -> fx.Node | None:
+    """The contiguous 2-D fp8 tensor `node` copies transposed, or None."""
+    perm = _contiguous_copy_of(node)
+    if not (isinstance(perm, fx.Node) and perm.target is torch.ops.aten.permute.default):
         return None
     if list(perm.args[1]) not in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
         return None
     src = perm.args[0]
-    val = src.meta.get("val") if isinstance(src, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dtype not in _FP8 or val.dim() != 2:
-        return None
-    return src if val.is_contiguous() else None
+    val = _fp8_2d(src)
+    return src if val is not None and val.is_contiguous() else None
 
 
 class TransposesApart(CustomGraphPass):
@@ -107,12 +115,7 @@ def _copied_input(node: fx.Node) -> fx.Node | None:
     """The 2-D fp8 graph input `node` is a contiguous copy of through views only (in the
     joint graph torchao's weight transpose is clone(permute(permute(w))): the forward's w.t()
     and the backward's .t() again), or None."""
-    aten = torch.ops.aten
-    if node.op != "call_function" or node.target is not aten.clone.default:
-        return None
-    if node.kwargs.get("memory_format") is not torch.contiguous_format:
-        return None
-    src = node.args[0]
+    src = _contiguous_copy_of(node)
     while isinstance(src, fx.Node) and src.op == "call_function":
         packet = getattr(src.target, "overloadpacket", None)
         if packet is None or packet.__name__ not in _VIEWS:
@@ -120,9 +123,7 @@ def _copied_input(node: fx.Node) -> fx.Node | None:
         src = src.args[0]
     if not (isinstance(src, fx.Node) and src.op == "placeholder"):
         return None
-    val = src.meta.get("val")
-    ok = isinstance(val, torch.Tensor) and val.dtype in _FP8 and val.dim() == 2
-    return src if ok else None
+    return src if _fp8_2d(src) is not None else None
 
 
 class WeightTransposesInBackward(CustomGraphPass):
@@ -144,19 +145,31 @@ class WeightTransposesInBackward(CustomGraphPass):
 def install_weight_transposes_in_backward() -> None:
     """Install the joint-graph pass for every graph Inductor compiles in this process
     (idempotent); another joint pass installed already is left alone (said in the log)."""
+    _install(
+        "joint_custom_pre_pass",
+        WeightTransposesInBackward,
+        "the fp8 weights' transposed copies may be saved for backward",
+    )
+
+
+def _install(slot: str, pass_type: type, otherwise: str) -> None:
+    """Put a `pass_type` in Inductor's config `slot` unless one is there; where another pass
+    holds it, leave it and say `otherwise` in the log (chaining passes of unknown kinds could
+    make Inductor's cache serve graphs compiled under another pass)."""
     import torch._inductor.config as inductor_config
 
-    current = inductor_config.joint_custom_pre_pass
-    if isinstance(current, WeightTransposesInBackward):
+    current = getattr(inductor_config, slot)
+    if isinstance(current, pass_type):
         return
     if current is not None:
         log.warning(
-            "fp8: another Inductor joint-graph pass is installed (%r); the fp8 weights' "
-            "transposed copies may be saved for backward (dtrain/lowp/fp8_layout.py)",
+            "fp8: another Inductor pass is installed in %s (%r); %s (dtrain/lowp/fp8_layout.py)",
+            slot,
             current,
+            otherwise,
         )
         return
-    inductor_config.joint_custom_pre_pass = WeightTransposesInBackward()
+    setattr(inductor_config, slot, pass_type())
 
 
 def install_transposes_apart() -> None:
@@ -165,16 +178,8 @@ def install_transposes_apart() -> None:
     post-grad pass is installed already it is left alone, and so are the transposes (said once
     in the log): chaining passes of unknown kinds could make Inductor's cache serve graphs
     compiled under another pass."""
-    import torch._inductor.config as inductor_config
-
-    current = inductor_config.post_grad_custom_post_pass
-    if isinstance(current, TransposesApart):
-        return
-    if current is not None:
-        log.warning(
-            "fp8: another Inductor post-grad pass is installed (%r); the weight-gradient "
-            "transposes stay fused by Inductor (dtrain/lowp/fp8_layout.py)",
-            current,
-        )
-        return
-    inductor_config.post_grad_custom_post_pass = TransposesApart()
+    _install(
+        "post_grad_custom_post_pass",
+        TransposesApart,
+        "the weight-gradient transposes stay fused by Inductor",
+    )

@@ -241,7 +241,6 @@ def grouped_adamw8bit_class() -> type:
                 torch._foreach_add_(steps, 1.0)
                 beta1, beta2 = group["betas"]
                 sr = self.bf16_stochastic_round
-                # Like torchao: the graphs are the model's, fixed in number; no cache limit.
                 key = (g, tuple(present))
                 if key not in self._chunks:
                     fused = [k for k, item in enumerate(items) if fused_kernel_takes(item)]
@@ -262,6 +261,7 @@ def grouped_adamw8bit_class() -> type:
                             p, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                         )  # fmt: skip
+                # Like torchao: the graphs are the model's, fixed in number; no cache limit.
                 with torch._dynamo.utils.disable_cache_limit():
                     for chunk in chunks:
                         self._update(
