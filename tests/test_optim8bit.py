@@ -253,3 +253,48 @@ def test_the_triton_kernel_steps_8bit_tensors_as_torchao_does(path):
     assert int(moved) == 1 and int(n_codes) == 6
     assert float(worst) < 1e-7  # parameters near 0.1: a few fp32 ulps after 4 steps
     assert float(codes_off) < 1e-3  # a code may round the other way where fp32 differs
+
+
+def test_the_kernels_quantizer_gives_torchaos_codes():
+    """The Triton kernel computes each code from its value where torchao searches the table
+    (optim8bit_triton.py `_code_guess`): the same codes, also with the guess one code off
+    either way (the correction the GPU's approximate log2 may need), on the table's values,
+    the midpoints where rounding turns, decade edges and their fp32 neighbours, 0, +-1,
+    beyond 1, inf, NaN and 400k random values (tests/optim8bit_quantize_check.py, run in
+    Triton's interpreter; tests/gpu runs it on CUDA)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    pytest.importorskip("triton")
+    env = cli_env()
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(
+        [sys.executable, "tests/optim8bit_quantize_check.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+    assert sorted((int(s), int(o)) for s, o, _, _ in rows) == [
+        (s, o) for s in (0, 1) for o in (-1, 0, 1)
+    ]
+    for signed, off, n, bad in rows:
+        assert int(n) > 400_000 and int(bad) == 0, (signed, off, bad)
+
+
+def test_the_kernel_takes_only_moments_in_torchaos_maps(monkeypatch):
+    """The kernel computes codes from the layout of torchao's dynamic maps: a moment with
+    another map (a state dict from elsewhere) stays on the compiled step."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from dtrain.lowp.optim8bit import _state_parts, fused_kernel_takes
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = torch.zeros(4096)
+    m, v = OptimState8bit.zeros(p.shape, True), OptimState8bit.zeros(p.shape, False)
+    item = (p, torch.zeros(4096), torch.tensor(1.0), _state_parts(m), _state_parts(v))
+    assert fused_kernel_takes(item)
+    assert not fused_kernel_takes((*item[:3], _state_parts(v), _state_parts(m)))
+    v.qmap[200] += 1e-3
+    assert not fused_kernel_takes(item)

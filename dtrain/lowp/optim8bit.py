@@ -128,7 +128,8 @@ def _signature(item) -> tuple:
 def fused_kernel_takes(item) -> bool:
     """Whether the Triton kernel steps this (param, grad, step, exp_avg, exp_avg_sq): on CUDA
     (or in Triton's interpreter: the CPU test), an fp32 contiguous parameter with a gradient
-    of its shape, both moments 8-bit, the step count on the host (no sync to read it)."""
+    of its shape, both moments 8-bit in torchao's maps, the step count on the host (no sync to
+    read it)."""
     p, grad, step, exp_avg, exp_avg_sq = item
     if os.environ.get("DTRAIN_OPTIM8BIT", "triton") != "triton":
         return False
@@ -141,6 +142,17 @@ def fused_kernel_takes(item) -> bool:
         and grad.is_contiguous()
         and len(exp_avg) == len(exp_avg_sq) == 3
         and step.device.type == "cpu"
+        and _torchaos_maps(exp_avg[2], exp_avg_sq[2])
+    )
+
+
+def _torchaos_maps(exp_avg_qmap: torch.Tensor, exp_avg_sq_qmap: torch.Tensor) -> bool:
+    """Whether the moments use torchao's signed and unsigned dynamic maps, whose layout the
+    kernel computes codes from (a sync each: read once, when the plan is made)."""
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    return torch.equal(exp_avg_qmap.cpu(), torch.tensor(get_qmap_signed())) and torch.equal(
+        exp_avg_sq_qmap.cpu(), torch.tensor(get_qmap_unsigned())
     )
 
 

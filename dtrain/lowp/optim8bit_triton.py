@@ -35,20 +35,55 @@ ROWS = 8
 
 
 @triton.jit
-def _quantize(x, qmap):
-    """torchao's quantize_8bit_with_qmap: the binary search for the largest code whose value
-    is at most x, then the nearer of it and the next."""
-    codes = tl.where(x >= tl.load(qmap + 128), 128, 0)
-    for k in tl.static_range(7):
-        codes += tl.where(x >= tl.load(qmap + codes + (64 >> k)), 64 >> k, 0)
-    up = tl.minimum(codes + 1, 255)
-    down_val = tl.load(qmap + codes)
-    up_val = tl.load(qmap + up)
-    return tl.where(x - down_val >= (up_val - down_val) * 0.5, up, codes)
+def _code_guess(x, SIGNED: tl.constexpr):
+    """The largest code of torchao's dynamic map whose value is at most x, to within one,
+    from x alone (torchao finds it by a binary search: 8 dependent table reads).
+
+    The map (create_dynamic_map) holds in decade i = 0..6 n_i values
+    10**(i-6) * (0.1 + (j + 0.5) * 0.9 / n_i), j < n_i, with n_i = 2**i a sign for exp_avg
+    (SIGNED: negatives at 0..126, zero at 127, positives from 128) and 2**(i+1) for
+    exp_avg_sq (zero at 0), and 1.0 last. A decade misjudged at its edge lands on the
+    neighbouring code (the formula is continuous there); the fp32 rounding of the table and
+    log2/exp2's approximation on the GPU move it by one at most."""
+    a = tl.abs(x)
+    e = tl.floor(tl.log2(a) * 0.30102999566398120) + 7.0  # log2(0) = -inf: clamped to 0
+    e = tl.minimum(tl.maximum(e, 0.0), 6.0)
+    frac = a * tl.exp2((6.0 - e) * 3.3219280948873623)  # a / 10**(e - 6), in [0.1, 1)
+    n = (1 if SIGNED else 2) << e.to(tl.int32)
+    first = (128 if SIGNED else 0) + n - 1  # the decade's first code
+    j = tl.floor((frac - 0.1) * n.to(tl.float32) / 0.9 - 0.5)  # -1: the decade before
+    j = tl.minimum(tl.maximum(j, -256.0), 256.0).to(tl.int32)  # no NaN or inf to cast
+    code = tl.minimum(tl.maximum(first + j, 127 if SIGNED else 0), 255)
+    if SIGNED:  # -a lies above the negative mirror of the positive code after a's
+        code = tl.where(x < 0, 253 - code, code)
+    return code
 
 
 @triton.jit
-def _moment(codes_ptr, scale_ptr, qmap, offs, rows, mask, row_mask, target, weight):
+def _quantize(x, qmap, guess):
+    """torchao's quantize_8bit_with_qmap given `guess`, its first step's code to within one:
+    that code checked against its neighbours in the table (4 independent reads), then the
+    nearer of it and the next (tests/test_optim8bit.py: torchao's codes, also from a guess
+    one off either way)."""
+    g = tl.minimum(tl.maximum(guess, 0), 254)
+    below = tl.load(qmap + tl.maximum(g - 1, 0))
+    at = tl.load(qmap + g)
+    after = tl.load(qmap + g + 1)
+    beyond = tl.load(qmap + tl.minimum(g + 2, 255))
+    lower = (x < at) & (g > 0)
+    higher = x >= after
+    codes = g - lower.to(tl.int32) + higher.to(tl.int32)
+    down_val = tl.where(lower, below, tl.where(higher, after, at))
+    up_val = tl.where(lower, at, tl.where(higher, beyond, after))
+    up = tl.minimum(codes + 1, 255)
+    codes = tl.where(x - down_val >= (up_val - down_val) * 0.5, up, codes)
+    return tl.where(x == x, codes, 0)  # NaN: torchao's search ends at code 0
+
+
+@triton.jit
+def _moment(
+    codes_ptr, scale_ptr, qmap, offs, rows, mask, row_mask, target, weight, SIGNED: tl.constexpr
+):
     """One moment: dequantized, lerped toward `target` (torch.lerp's formula), scaled by its
     blocks' absmax and stored as codes and scales; returns the fp32 moment."""
     codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -59,7 +94,8 @@ def _moment(codes_ptr, scale_ptr, qmap, offs, rows, mask, row_mask, target, weig
     else:
         new = target - (target - old) * (1.0 - weight)
     absmax = tl.maximum(tl.max(tl.where(mask, tl.abs(new), 0.0), axis=1), 1e-12)
-    q = _quantize(new / absmax[:, None], qmap)
+    scaled = new / absmax[:, None]
+    q = _quantize(scaled, qmap, _code_guess(scaled, SIGNED))
     tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
     tl.store(scale_ptr + rows, absmax, mask=row_mask)
     return new
@@ -79,8 +115,8 @@ def _adamw8bit_kernel(
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p = p - lr * weight_decay * p
-    m = _moment(m_codes, m_scale, m_qmap, offs, rows, mask, row_mask, g, weight1)
-    v = _moment(v_codes, v_scale, v_qmap, offs, rows, mask, row_mask, g * g, weight2)
+    m = _moment(m_codes, m_scale, m_qmap, offs, rows, mask, row_mask, g, weight1, True)
+    v = _moment(v_codes, v_scale, v_qmap, offs, rows, mask, row_mask, g * g, weight2, False)
     denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
     p = p - lr * (m / bias_correction1) / denom
     tl.store(p_ptr + offs, p, mask=mask)
