@@ -29,9 +29,12 @@ import triton
 import triton.language as tl
 
 BLOCK = 256  # torchao's block size: one scale per 256 elements
-# Blocks a program takes: 8 x 256 = 2,048 elements, 8 warps (each thread 8 elements of each
-# tensor in registers).
-ROWS = 8
+# Blocks a program takes and its warps: one block and one warp (each thread 8 elements of each
+# tensor in registers, the block's absmax a reduction within the warp). On an H200, one
+# 14336 x 4096 tensor (bench/optim8bit_kernel_sweep.py, 2026-11-30): 1 x 1 took 0.56 ms, 8
+# blocks on 8 warps 0.90.
+ROWS = 1
+WARPS = 1
 
 
 @triton.jit
@@ -51,7 +54,7 @@ def _code_guess(x, SIGNED: tl.constexpr):
     frac = a * tl.exp2((6.0 - e) * 3.3219280948873623)  # a / 10**(e - 6), in [0.1, 1)
     n = (1 if SIGNED else 2) << e.to(tl.int32)
     first = (128 if SIGNED else 0) + n - 1  # the decade's first code
-    j = tl.floor((frac - 0.1) * n.to(tl.float32) / 0.9 - 0.5)  # -1: the decade before
+    j = tl.floor((frac - 0.1) * n.to(tl.float32) * (1 / 0.9) - 0.5)  # -1: the decade before
     j = tl.minimum(tl.maximum(j, -256.0), 256.0).to(tl.int32)  # no NaN or inf to cast
     code = tl.minimum(tl.maximum(first + j, 127 if SIGNED else 0), 255)
     if SIGNED:  # -a lies above the negative mirror of the positive code after a's
@@ -62,16 +65,18 @@ def _code_guess(x, SIGNED: tl.constexpr):
 @triton.jit
 def _quantize(x, qmap, guess):
     """torchao's quantize_8bit_with_qmap given `guess`, its first step's code to within one:
-    that code checked against its neighbours in the table (4 independent reads), then the
-    nearer of it and the next (tests/test_optim8bit.py: torchao's codes, also from a guess
+    that code checked against the two table values around it (and moved by one where it was
+    off), then the nearer of it and the next (tests/test_optim8bit.py: torchao's codes, also from a guess
     one off either way)."""
     g = tl.minimum(tl.maximum(guess, 0), 254)
-    below = tl.load(qmap + tl.maximum(g - 1, 0))
     at = tl.load(qmap + g)
     after = tl.load(qmap + g + 1)
-    beyond = tl.load(qmap + tl.minimum(g + 2, 255))
     lower = (x < at) & (g > 0)
     higher = x >= after
+    # Read only where the guess was off: the table reads bound the kernel (L1 serves a
+    # gather one cache line at a time), and lanes masked off read nothing.
+    below = tl.load(qmap + tl.maximum(g - 1, 0), mask=lower, other=0.0)
+    beyond = tl.load(qmap + tl.minimum(g + 2, 255), mask=higher, other=0.0)
     codes = g - lower.to(tl.int32) + higher.to(tl.int32)
     down_val = tl.where(lower, below, tl.where(higher, after, at))
     up_val = tl.where(lower, at, tl.where(higher, beyond, after))
@@ -134,6 +139,8 @@ def adamw8bit_step(
     beta2: float,
     weight_decay: float,
     eps: float,
+    rows: int = ROWS,
+    num_warps: int = WARPS,
 ) -> None:
     """One AdamW step of fp32 `p` (contiguous) in place, its moments each (codes, scale,
     qmap) as torchao's OptimState8bit holds them; `step` (a CPU tensor, as torchao keeps it)
@@ -142,7 +149,7 @@ def adamw8bit_step(
     if n % BLOCK:
         raise ValueError(f"{n} elements is not a whole number of {BLOCK}-element blocks")
     n_rows = n // BLOCK
-    grid = (triton.cdiv(n_rows, ROWS),)
+    grid = (triton.cdiv(n_rows, rows),)
     # The lerp weights as torchao passes them: 1 - beta in double, then one fp32 rounding
     # (1 - 0.9 is 0.1f so; in the kernel's fp32, 1 - 0.9f is 0.100000024).
     weight1, weight2 = 1 - beta1, 1 - beta2
@@ -153,5 +160,5 @@ def adamw8bit_step(
             p, grad, *exp_avg, *exp_avg_sq, n_rows,
             lr, weight1, weight2, weight_decay, eps,
             bias_correction1, bias_correction2_sqrt,
-            ROWS=ROWS, BLOCK=BLOCK, num_warps=8,
+            ROWS=rows, BLOCK=BLOCK, num_warps=num_warps,
         )  # fmt: skip
