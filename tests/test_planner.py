@@ -678,7 +678,7 @@ def test_validation_bench_smoke(tmp_path):
 
 
 def test_8bit_adamw_is_priced_as_measured():
-    """precision.optimizer_8bit (GroupedAdamW8bit, its Triton kernel): its bytes at 1/2.5 of
+    """precision.optimizer_8bit (GroupedAdamW8bit, its Triton kernel): its bytes at 1/2.3 of
     fused AdamW's rate, fitted to two 8b runs on 2x H200; its host time the floor, which binds
     on small models."""
     shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
@@ -690,25 +690,25 @@ def test_8bit_adamw_is_priced_as_measured():
         cfg, _, setup = planned_config(compose(*overrides), world, "cuda")
         return plan_speed(cfg.model, setup, machine), cfg.model
 
-    # bench/results/2026-11-29-gpu-s21/call6_*: tokens/s per GPU of bf16 and of fp8 and int8
+    # bench/results/2026-11-30-gpu-s22/call4_*: tokens/s per GPU of bf16 and of fp8 and int8
     # with 8-bit moments, in one call.
-    bf16_run = 9_740
+    bf16_run = 9_723
     bf16, _ = plan(*shape, kept, "precision=bf16")
-    for prec, eight_run in (("fp8", 11_951), ("int8", 10_124)):
+    for prec, eight_run in (("fp8", 12_095), ("int8", 10_168)):
         fused, _ = plan(*shape, kept, f"precision={prec}")
         eight, model = plan(*shape, kept, f"precision={prec}", "precision.optimizer_8bit=true")
         assert count_param_tensors(model) == 291  # 32 blocks of 9, the embedding, the final norm
-        assert eight.optimizer_s > 1.5 * fused.optimizer_s
+        assert eight.optimizer_s > 1.2 * fused.optimizer_s  # fewer bytes, yet slower
         ratio = eight.tokens_per_s_per_gpu / bf16.tokens_per_s_per_gpu
         assert ratio == pytest.approx(eight_run / bf16_run, abs=0.01)
-        # As the bf16 run of that call (6.7% under) and every 8b fsdp run before (6-8%).
+        # As the bf16 run of that call (6.6% under) and every 8b fsdp run before (6-8%).
         assert eight.tokens_per_s_per_gpu == pytest.approx(eight_run, rel=0.10)
-    # Not fitted to: 1b's step alone on one H200 took 21.1 ms (bench/optim8bit.py,
-    # call5_*); the plan, like its fused AdamW (18.8 ms planned, 10.9 ms measured), errs long.
+    # Not fitted to: 1b's step alone on one H200 took 13.7 ms (bench/optim8bit.py, call3_*);
+    # the plan, like its fused AdamW (18.8 ms planned, 10.7 ms measured), errs long.
     one = ("model=1b", "model.vocab_size=50304", "trainer.seq_len=2048")
     one += ("trainer.micro_batch_size=8", "strategy=single", "precision=int8")
     unsharded, _ = plan(*one, "precision.optimizer_8bit=true", world=1)
-    assert 21.1e-3 < unsharded.optimizer_s < 1.5 * 21.1e-3
+    assert 13.7e-3 < unsharded.optimizer_s < 2.2 * 13.7e-3
     # model=tiny: too few bytes to keep the GPU busier than the host issuing the calls.
     tiny, model = plan("model=tiny", "precision=int8", "precision.optimizer_8bit=true", world=1)
     floor = count_param_tensors(model) * sp.HOST_S_PER_8BIT_TENSOR

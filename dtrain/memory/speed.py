@@ -66,20 +66,20 @@ PCIE_BYTES_PER_S = 25e9
 # precision.optimizer_8bit steps AdamW with 8-bit moments (GroupedAdamW8bit, dtrain/lowp/
 # optim8bit.py): on CUDA a Triton kernel per fp32 tensor whose moments are 8-bit, compiled
 # groups for the rest. Two measured costs, on H200s:
-# - Its kernel moves the fewer bytes of 8-bit moments at 1/2.5 the rate the bytes model gives
-#   fused AdamW (each element also looks its two codes up in, and binary-searches, a 256-entry
-#   table). Fitted to model=8b under fsdp on 2 GPUs: with fp8 and int8 it ran at 1.227x and
-#   1.039x the bf16 run of its call; the factor that gives the plan those ratios is 2.5
-#   (1.232x, 1.036x; bench/results/2026-11-29-gpu-s21/call6_*). Alone at 8b's shapes (2.16B
-#   parameters, bench/optim8bit.py, call5_*) it took 32.1 ms against fused AdamW's 17.4 ms;
-#   Inductor's compiled step of the same arithmetic 41.2 ms.
+# - Its kernel moves the fewer bytes of 8-bit moments at 1/2.3 the rate the bytes model gives
+#   fused AdamW (each element also looks its two codes up in a 256-entry table, and computes
+#   each new code from its value). Fitted to model=8b under fsdp on 2 GPUs: with fp8 and int8
+#   it ran at 1.244x and 1.046x the bf16 run of its call; the factor that gives the plan those
+#   ratios is 2.3 (1.244x, 1.045x; bench/results/2026-11-30-gpu-s22/call4_*). Alone at 8b's
+#   shapes (2.16B parameters, bench/optim8bit.py, call3_*) it took 21.0 ms of GPU time against
+#   fused AdamW's 17.2 ms (32.7 ms before the codes were computed, 2026-11-29-gpu-s21).
 # - Its host: 16.8 ms a step for 1b's 218 tensors, 10.4 ms for the 75 of 8b's shapes with 8
 #   blocks (call5_*; a Triton launch a tensor), a floor that binds where the bytes are few
 #   (model=tiny); 0.123 ms a tensor, as the compiled groups before it held the host
 #   (2026-11-29-gpu-s20/call1_*).
 # torchao's own AdamW8bit (a call per tensor) held the host 0.77 ms a tensor under FSDP2
 # (bench/results/2026-11-29-gpu-s17/call4_*), the cost the grouping removed.
-EIGHT_BIT_STEP_SLOWDOWN = 2.5
+EIGHT_BIT_STEP_SLOWDOWN = 2.3
 HOST_S_PER_8BIT_TENSOR = 0.123e-3
 
 
