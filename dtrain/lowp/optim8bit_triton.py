@@ -66,8 +66,8 @@ def _code_guess(x, SIGNED: tl.constexpr):
 def _quantize(x, qmap, guess):
     """torchao's quantize_8bit_with_qmap given `guess`, its first step's code to within one:
     that code checked against the two table values around it (and moved by one where it was
-    off), then the nearer of it and the next (tests/test_optim8bit.py: torchao's codes, also from a guess
-    one off either way)."""
+    off), then the nearer of it and the next (tests/test_optim8bit.py: torchao's codes, also
+    from a guess one off either way)."""
     g = tl.minimum(tl.maximum(guess, 0), 254)
     at = tl.load(qmap + g)
     after = tl.load(qmap + g + 1)
