@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -33,7 +33,8 @@ fsdp8b() {  # $1 = result name, then overrides
 # fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward,
 # fp8acc fast accumulation in the backward alone; fp8gi fast accumulation in the grad-input GEMM
 # only, fp8headgi that with the head in fp8; int8o8 and fp8o8 are int8 and fp8 with AdamW's
-# moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit.py).
+# moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit.py), fp8o8gi fp8o8 with
+# fast accumulation in the grad-input GEMM.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   fp8fused) echo "precision=fp8" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
@@ -45,6 +46,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   int8apart) echo "precision=int8" ;;
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
+  fp8o8gi) echo "precision=fp8 precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
 int8env() { case $1 in int8apart) echo apart ;; *) echo fused ;; esac; }
