@@ -1,5 +1,6 @@
 """On a CUDA device: dtrain's grouped, compiled step of torchao's AdamW8bit (dtrain/lowp/
-optim8bit.py) against torchao's own compiled per-tensor step."""
+optim8bit.py) against torchao's own compiled per-tensor step, and its Triton kernel's codes
+against torchao's."""
 
 from __future__ import annotations
 
