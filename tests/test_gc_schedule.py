@@ -3,6 +3,7 @@ off while the steps run, the young generations collected every trainer.gc_every 
 collection timed for perf/gc_pct; gc_every=0 leaves Python's automatic collection on, timed."""
 
 import gc
+import os
 
 import pytest
 
@@ -102,3 +103,43 @@ def test_data_loader_workers_turn_the_collector_back_on(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_worker_init", probe)
     train(tmp_path / "run", "trainer.max_steps=2", "trainer.log_every=1", "data.num_workers=1")
     assert seen.read_text() == "False True"
+
+
+class _Finalized:
+    """Writes the pid of the process that finalizes it."""
+
+    def __init__(self, path):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_data_loader_workers_leave_the_parents_garbage_alone(tmp_path, monkeypatch):
+    """A worker must not collect garbage it inherited from the process that forked it: its
+    destructors would run there (a gloo process group's, left by an earlier run in the same
+    process, deadlocked a worker so in CI, and the run waited on its data for good)."""
+    from dtrain.data import loader
+
+    finalized, init, streams = tmp_path / "finalized.txt", loader._worker_init, loader._RankStreams
+    collected = tmp_path / "collected.txt"
+
+    def probe(worker_id):  # runs in the worker: a full collection, then what it found
+        init(worker_id)
+        collected.write_text(str(gc.collect()))
+
+    def old_garbage_then_streams(*args):  # in the loop, just before the workers fork
+        obj = _Finalized(finalized)
+        gc.collect(1)  # obj is old now: the loop's young collections leave it
+        del obj  # garbage, in a cycle: only a full collection finds it
+        return streams(*args)
+
+    monkeypatch.setattr(loader, "_worker_init", probe)
+    monkeypatch.setattr(loader, "_RankStreams", old_garbage_then_streams)
+    try:
+        train(tmp_path / "run", "trainer.max_steps=2", "trainer.log_every=1", "data.num_workers=1")
+    finally:
+        gc.collect()  # here, in the test's process
+    assert collected.exists()  # the probe ran in a worker
+    assert finalized.read_text().split() == [str(os.getpid())]

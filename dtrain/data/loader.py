@@ -135,7 +135,18 @@ class _StepReader:
             persistent_workers=False,
             worker_init_fn=_worker_init if workers else None,
         )
-        self.it = iter(loader)
+        # The workers fork with the collector's objects frozen, so a worker (whose collector
+        # _worker_init turns on) never collects what it inherited: the parent's garbage
+        # collected there runs its destructors in the worker. A gloo process group left by an
+        # earlier run in the same process deadlocked so, in its destructor, on a condition
+        # variable copied mid-use (CI, 2026-11-30: the run waited on its data for good).
+        if workers:
+            gc.freeze()
+        try:
+            self.it = iter(loader)
+        finally:
+            if workers:
+                gc.unfreeze()
         self.k = k  # the global index of this rank's next block
         if workers:
             _live_readers.add(self)

@@ -14,7 +14,8 @@ loop logs its share of the wall time (perf/gc_pct).
 
 What survives a young collection moves to the oldest generation, which is not collected while
 the loop runs (as with torchtitan's gc_freq): garbage that forms a cycle only later stays until
-the loop ends. DataLoader workers, forked while the collector is off, turn it back on
+the loop ends. DataLoader workers, forked while the collector is off, turn it back on, and
+are forked with the parent's objects frozen so that they never collect its garbage
 (dtrain/data/loader.py).
 """
 
