@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, a 4 x 512 tensor")
     args = ap.parse_args()
+    bad = [r for r in _ints(args.rows) if r < 1 or r & (r - 1)]
+    if bad:  # tl.arange takes powers of two
+        ap.error(f"--rows {bad[0]}: blocks a program must be a power of two (1, 2, 4, 8, ...)")
     from torchao.optim.subclass_8bit import OptimState8bit
 
     from dtrain.lowp.optim8bit_triton import adamw8bit_step

@@ -1,11 +1,11 @@
 """The 8-bit AdamW kernel's quantizer (dtrain/lowp/optim8bit_triton.py: `_code_guess` from
 the value, `_quantize` from the guess and the table) against torchao's binary search, also
 with the guess moved one code either way (the GPU's log2 may do that; the interpreter's does
-not), on
-every table value, the midpoints between neighbours (where rounding turns) and decade edges,
-each with its 4 nearest fp32 neighbours on each side, on 0, +-1, beyond 1, inf and NaN, and
-on random values spread over every decade. Run as a script with TRITON_INTERPRET=1 for the
-CPU test (tests/test_optim8bit.py); tests/gpu calls `mismatches` on CUDA."""
+not), on every table value, the midpoints between neighbours (where rounding turns) and
+decade edges, each with its 4 nearest fp32 neighbours on each side, on 0, +-1, beyond 1, inf
+and NaN, and on random values spread over every decade: 1.2M values. Run as a script with
+TRITON_INTERPRET=1 for the CPU test (tests/test_optim8bit.py); tests/gpu calls `mismatches`
+on CUDA."""
 
 from __future__ import annotations
 

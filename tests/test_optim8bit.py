@@ -258,10 +258,8 @@ def test_the_triton_kernel_steps_8bit_tensors_as_torchao_does(path):
 def test_the_kernels_quantizer_gives_torchaos_codes():
     """The Triton kernel computes each code from its value where torchao searches the table
     (optim8bit_triton.py `_code_guess`): the same codes, also with the guess one code off
-    either way (the correction the GPU's approximate log2 may need), on the table's values,
-    the midpoints where rounding turns, decade edges and their fp32 neighbours, 0, +-1,
-    beyond 1, inf, NaN and 400k random values (tests/optim8bit_quantize_check.py, run in
-    Triton's interpreter; tests/gpu runs it on CUDA)."""
+    either way, on the values tests/optim8bit_quantize_check.py lists (run in Triton's
+    interpreter; tests/gpu runs it on CUDA)."""
     import subprocess
     import sys
 
@@ -285,7 +283,7 @@ def test_the_kernels_quantizer_gives_torchaos_codes():
 
 def test_the_kernel_takes_only_moments_in_torchaos_maps(monkeypatch):
     """The kernel computes codes from the layout of torchao's dynamic maps: a moment with
-    another map (a state dict from elsewhere) stays on the compiled step."""
+    another map (a state built by hand) stays on the compiled step."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
     from dtrain.lowp.optim8bit import _state_parts, fused_kernel_takes

@@ -140,12 +140,16 @@ class _StepReader:
         # collected there runs its destructors in the worker. A gloo process group left by an
         # earlier run in the same process deadlocked so, in its destructor, on a condition
         # variable copied mid-use (CI, 2026-11-30: the run waited on its data for good).
+        # Objects other threads make during the fork are not frozen: new ones, not the old
+        # garbage this is for. A process that froze its own objects (gc.freeze before fork,
+        # for copy-on-write) keeps them, and these, frozen.
+        thaw = workers and gc.get_freeze_count() == 0
         if workers:
             gc.freeze()
         try:
             self.it = iter(loader)
         finally:
-            if workers:
+            if thaw:
                 gc.unfreeze()
         self.k = k  # the global index of this rank's next block
         if workers:

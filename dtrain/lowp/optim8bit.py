@@ -151,9 +151,9 @@ def _torchaos_maps(exp_avg_qmap: torch.Tensor, exp_avg_sq_qmap: torch.Tensor) ->
     kernel computes codes from (a sync each: read once, when the plan is made)."""
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
-    return torch.equal(exp_avg_qmap.cpu(), torch.tensor(get_qmap_signed())) and torch.equal(
-        exp_avg_sq_qmap.cpu(), torch.tensor(get_qmap_unsigned())
-    )
+    signed = torch.tensor(get_qmap_signed(), dtype=torch.float32)
+    unsigned = torch.tensor(get_qmap_unsigned(), dtype=torch.float32)
+    return torch.equal(exp_avg_qmap.cpu(), signed) and torch.equal(exp_avg_sq_qmap.cpu(), unsigned)
 
 
 def chunks_of_like_tensors(

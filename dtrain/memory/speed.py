@@ -73,10 +73,10 @@ PCIE_BYTES_PER_S = 25e9
 #   ratios is 2.3 (1.244x, 1.045x; bench/results/2026-11-30-gpu-s22/call4_*). Alone at 8b's
 #   shapes (2.16B parameters, bench/optim8bit.py, call3_*) it took 21.0 ms of GPU time against
 #   fused AdamW's 17.2 ms (32.7 ms before the codes were computed, 2026-11-29-gpu-s21).
-# - Its host: 16.8 ms a step for 1b's 218 tensors, 10.4 ms for the 75 of 8b's shapes with 8
-#   blocks (call5_*; a Triton launch a tensor), a floor that binds where the bytes are few
-#   (model=tiny); 0.123 ms a tensor, as the compiled groups before it held the host
-#   (2026-11-29-gpu-s20/call1_*).
+# - Its host: 16.8 ms a step for 1b's 218 tensors, 10.4 ms for the 75 tensors of 8b's shapes
+#   cut to 8 blocks (2026-11-29-gpu-s21/call5_*, the kernel before the codes were computed; a
+#   Triton launch a tensor), a floor that binds where the bytes are few (model=tiny); 0.123 ms
+#   a tensor, as the compiled groups before it held the host (2026-11-29-gpu-s20/call1_*).
 # torchao's own AdamW8bit (a call per tensor) held the host 0.77 ms a tensor under FSDP2
 # (bench/results/2026-11-29-gpu-s17/call4_*), the cost the grouping removed.
 EIGHT_BIT_STEP_SLOWDOWN = 2.3

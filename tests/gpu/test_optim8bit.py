@@ -65,9 +65,8 @@ def test_grouped_step_matches_torchaos_compiled_step():
 
 
 def test_the_kernels_quantizer_gives_torchaos_codes_on_cuda():
-    """The kernel's codes computed from the value (the GPU's approximate log2 and exp2) and
-    checked against the table's neighbours: torchao's codes, bit for bit, on the values of
-    tests/optim8bit_quantize_check.py, also from a guess one code off either way."""
+    """The kernel's codes computed with the GPU's approximate log2 and exp2: torchao's, bit for
+    bit (tests/optim8bit_quantize_check.py)."""
     pytest.importorskip("torchao")
     from tests.optim8bit_quantize_check import mismatches
 
