@@ -10,6 +10,7 @@ DTRAIN_OPTIM8BIT=compiled keeps every tensor on the compiled path (A/B runs)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -149,11 +150,19 @@ def fused_kernel_takes(item) -> bool:
 def _torchaos_maps(exp_avg_qmap: torch.Tensor, exp_avg_sq_qmap: torch.Tensor) -> bool:
     """Whether the moments use torchao's signed and unsigned dynamic maps, whose layout the
     kernel computes codes from (a sync each: read once, when the plan is made)."""
+    signed, unsigned = _reference_maps()
+    return torch.equal(exp_avg_qmap.cpu(), signed) and torch.equal(exp_avg_sq_qmap.cpu(), unsigned)
+
+
+@functools.cache
+def _reference_maps() -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's signed and unsigned maps as its states hold them, built once."""
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
-    signed = torch.tensor(get_qmap_signed(), dtype=torch.float32)
-    unsigned = torch.tensor(get_qmap_unsigned(), dtype=torch.float32)
-    return torch.equal(exp_avg_qmap.cpu(), signed) and torch.equal(exp_avg_sq_qmap.cpu(), unsigned)
+    return (
+        torch.tensor(get_qmap_signed(), dtype=torch.float32),
+        torch.tensor(get_qmap_unsigned(), dtype=torch.float32),
+    )
 
 
 def chunks_of_like_tensors(
