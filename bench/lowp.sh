@@ -47,6 +47,9 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
   fp8o8gi) echo "precision=fp8 precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;
+  fp8d) echo "precision=fp8 precision.fp8_scaling=delayed" ;;
+  fp8dheadgi) echo "precision=fp8 precision.fp8_scaling=delayed precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
+  fp8do8gi) echo "precision=fp8 precision.fp8_scaling=delayed precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
 int8env() { case $1 in int8apart) echo apart ;; *) echo fused ;; esac; }

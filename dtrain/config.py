@@ -30,6 +30,7 @@ Fp8Recipe = Literal["tensorwise", "rowwise"]
 # Which fp8 GEMMs accumulate fast (unpromoted): the forward one always (torchao's recipe), the
 # grad-input one too, or all three (the grad-weight one as well).
 Fp8FastAccum = Literal["forward", "grad_input", "all"]
+Fp8Scaling = Literal["dynamic", "delayed"]
 # When DeepCompile runs its ZeRO-3 passes (dtrain.strategies.deepspeed.DEEPCOMPILE_SCHEDULES)
 DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
@@ -127,6 +128,11 @@ class PrecisionConfig:
     # precision=fp8: which GEMMs accumulate in fp8's fast (unpromoted) mode: the forward one
     # (torchao's recipe: the backward ones promote to fp32), grad_input too, or all
     fp8_fast_accum: Fp8FastAccum = "forward"
+    # precision=fp8 (tensorwise): the inputs' and output gradients' scales from this tensor's
+    # amax (dynamic: two passes over it) or from the last fp8_amax_history steps' (delayed:
+    # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py)
+    fp8_scaling: Fp8Scaling = "dynamic"
+    fp8_amax_history: int = 16
     # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
@@ -698,6 +704,8 @@ PRECISION_OWN_KEYS = (
     "fp8_all_gather",
     "fp8_lm_head",
     "fp8_fast_accum",
+    "fp8_scaling",
+    "fp8_amax_history",
     "int8_grad_weight",
 )
 

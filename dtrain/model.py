@@ -80,6 +80,10 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Linears that read one tensor: fp8's delayed scaling gives them one scale, so that tensor
+    # is cast to fp8 once (dtrain/lowp/fp8_delayed.py).
+    same_input = ("wq", "wk", "wv")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -131,6 +135,8 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    same_input = ("w1", "w3")  # as Attention.same_input
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

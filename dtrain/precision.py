@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +48,8 @@ class Precision:
     fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
     fp8_lm_head: bool = False  # the LM head in fp8 too
     fp8_fast_accum: str = "forward"  # which GEMMs accumulate fast: forward, grad_input, all
+    fp8_scaling: str = "dynamic"  # inputs' and gradients' scales: dynamic or delayed
+    fp8_amax_history: int = 16  # delayed: the steps of amax a scale is taken from
     # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
     # int8 input); "" for every other precision.
     int8_grad_weight: str = ""
@@ -198,7 +201,8 @@ def build_precision(
     if cfg.optimizer_8bit and check_device:
         _need_torchao("precision.optimizer_8bit=true")
     _check_int8_grad_weight(cfg)
-    for key in ("fp8_all_gather", "fp8_lm_head", "fp8_fast_accum"):  # set: not its default
+    keys = ("fp8_all_gather", "fp8_lm_head", "fp8_fast_accum", "fp8_scaling", "fp8_amax_history")
+    for key in keys:  # set: not its default
         if getattr(cfg, key) != getattr(PrecisionConfig, key) and p.quantize != "fp8":
             raise ConfigError(
                 f"precision.{key} applies to precision=fp8 only, not precision={cfg.name}; "
@@ -208,6 +212,16 @@ def build_precision(
         raise ConfigError(
             f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
             f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
+        )
+    if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
+        raise ConfigError(
+            f"precision.fp8_scaling=delayed applies to precision.fp8_recipe=tensorwise only "
+            f"(one scale a tensor), not {cfg.fp8_recipe}; remove one of them"
+        )
+    if cfg.fp8_amax_history < 1:
+        raise ConfigError(
+            f"precision.fp8_amax_history={cfg.fp8_amax_history} must be at least 1 (steps of "
+            "amax a delayed scale is taken from; 16 is the default)"
         )
     reduce_dtype = _reduce_dtype(cfg, p)
     return replace(
@@ -220,6 +234,8 @@ def build_precision(
         fp8_all_gather=cfg.fp8_all_gather,
         fp8_lm_head=cfg.fp8_lm_head,
         fp8_fast_accum=cfg.fp8_fast_accum,
+        fp8_scaling=cfg.fp8_scaling,
+        fp8_amax_history=cfg.fp8_amax_history,
         int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
         reduce_dtype=reduce_dtype or p.reduce_dtype,
         reduce_override=reduce_dtype is not None,
@@ -336,26 +352,64 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
             block_and_head_filter if precision.fp8_lm_head else block_linear_filter,
             recipe=precision.fp8_recipe,
             fast_accum=precision.fp8_fast_accum,
+            scaling=precision.fp8_scaling,
+            amax_history=precision.fp8_amax_history,
             emulate=precision.fp8_emulate,
             fp8_all_gather=sharded and precision.fp8_weight_gather,
         )
 
 
-def post_step_hook(
-    precision: Precision, module: nn.Module, *, sharded: bool, compiled: bool = False
-):
-    """What must run after each optimizer step for `precision`, or None.
+def precision_hooks(
+    precision: Precision,
+    module: nn.Module,
+    device: torch.device,
+    *,
+    sharded: bool,
+    compiled: bool = False,
+) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+    """What must run after each optimizer step for `precision`, and after each checkpoint
+    load: (after_step, after_load), each None where nothing must. Build it once the model's
+    tensors are real (after fsdp's to_empty and init).
 
-    fp8 with FSDP2's fp8 all-gather needs each weight's scale to be the same on every shard.
-    Left to itself torchao computes it in the next forward with one all-reduce per linear (7
-    per block, each a sync point on the communication stream); torchao's precompute does all
-    of them in one all-reduce right after the step, as torchtitan does. `compiled`: the
-    shards' fp8 cast that follows it runs as one compiled call (lowp/fp8.cast_shards)."""
+    - fp8 with FSDP2's fp8 all-gather needs each weight's scale to be the same on every shard.
+      Left to itself torchao computes it in the next forward with one all-reduce per linear (7
+      per block, each a sync point on the communication stream); torchao's precompute does all
+      of them in one all-reduce right after the step, as torchtitan does, and again after a
+      load (the scales follow the weights just loaded). `compiled`: the shards' fp8 cast that
+      follows it runs as one compiled call (lowp/fp8.cast_shards).
+    - precision.fp8_scaling=delayed pushes the step's amaxes into their histories after each
+      step (compiled where the model is) and starts again from dynamic scales after a load
+      (lowp/fp8_delayed)."""
+    steps: list[Callable[[], None]] = []
+    loads: list[Callable[[], None]] = []
+    if precision.quantize == "fp8" and precision.fp8_scaling == "delayed":
+        from dtrain.lowp.fp8_delayed import DelayedScaling
+
+        delayed = DelayedScaling.of(module, device, compiled=compiled)
+        steps.append(delayed.step)
+        loads.append(delayed.reset)
     if sharded and precision.fp8_weight_gather:
         from dtrain.lowp.fp8 import precompute_fp8_scales
 
-        return lambda: precompute_fp8_scales(module, compiled=compiled)
-    return None
+        def precompute() -> None:
+            precompute_fp8_scales(module, compiled=compiled)
+
+        steps.append(precompute)
+        loads.append(precompute)
+    return _run_all(steps), _run_all(loads)
+
+
+def _run_all(hooks: list[Callable[[], None]]) -> Callable[[], None] | None:
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def run() -> None:
+        for hook in hooks:
+            hook()
+
+    return run
 
 
 def build_loss_scaler(precision: Precision, device: torch.device, *, sharded: bool = False):

@@ -36,13 +36,17 @@ def apply_fp8(
     emulate: bool = False,
     fp8_all_gather: bool = False,
     fast_accum: str = "forward",
+    scaling: str = "dynamic",
+    amax_history: int = 16,
 ) -> int:
     """Swap the selected linears for torchao Float8Linear in place; returns how many.
 
     `fast_accum`: which GEMMs accumulate without torchao's periodic promotion to fp32: the
     forward one (torchao's recipe), "grad_input" too, or "all" three. The grad-weight GEMM sums
     over every token of the micro-batch (16384 at 1b), the grad-input one over a layer's
-    width, so that one loses the least (docs/precision.md: loss and speed of each)."""
+    width, so that one loses the least (docs/precision.md: loss and speed of each).
+    `scaling="delayed"`: inputs and output gradients cast with scales from the last
+    `amax_history` steps' amaxes (dtrain/lowp/fp8_delayed.py)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -69,6 +73,10 @@ def apply_fp8(
         return ok
 
     convert_to_float8_training(module, config=config, module_filter_fn=keep)
+    if scaling == "delayed":
+        from dtrain.lowp.fp8_delayed import install_delayed_scaling
+
+        install_delayed_scaling(module, amax_history)
     if os.environ.get("DTRAIN_FP8_TRANSPOSE", "apart") != "inductor":  # "inductor": A/B runs
         install_transposes_apart()
     if fsdp_fp8:

@@ -31,6 +31,7 @@ from dtrain.precision import (
     build_loss_scaler,
     build_precision_optimizer,
     check_strategy,
+    precision_hooks,
 )
 
 
@@ -184,7 +185,9 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
-        self.post_step = None  # the precision's work after each optimizer step (post_step_hook)
+        # The precision's work after each optimizer step and after each checkpoint load
+        # (precision_hooks), or None.
+        self.post_step = self.post_load = None
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
         # dtrain.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure(); with
         # fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
@@ -296,6 +299,9 @@ class Strategy:
             self.module, optim_cfg, self.precision, self.device
         )
         self.loss_scaler = build_loss_scaler(self.precision, self.device)
+        self.post_step, self.post_load = precision_hooks(
+            self.precision, self.module, self.device, sharded=False, compiled=self.compile_enabled
+        )
 
     @property
     def compile_scope(self) -> str:
@@ -406,8 +412,8 @@ class Strategy:
         )
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        if self.post_step is not None:  # e.g. fp8's scales follow the weights just loaded
-            self.post_step()
+        if self.post_load is not None:  # e.g. fp8's scales follow the weights just loaded
+            self.post_load()
 
     def unwrapped(self) -> nn.Module:
         """The plain model (for generation, attention maps and export)."""

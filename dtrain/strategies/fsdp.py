@@ -30,7 +30,7 @@ from dtrain.precision import (
     apply_precision,
     build_loss_scaler,
     build_precision_optimizer,
-    post_step_hook,
+    precision_hooks,
 )
 from dtrain.strategies.base import Collective, MemoryFacts, SpeedFacts, Strategy, compile_blocks
 
@@ -253,7 +253,9 @@ class FSDPStrategy(Strategy):
         self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
         # The shards' fp8 cast compiles where the blocks do, unless the shards are offloaded.
         compiled = self.compile_enabled and not self.cfg.cpu_offload
-        self.post_step = post_step_hook(p, model, sharded=True, compiled=compiled)
+        self.post_step, self.post_load = precision_hooks(
+            p, model, self.device, sharded=True, compiled=compiled
+        )
 
     @property
     def grads_on_compute_stream(self) -> bool:

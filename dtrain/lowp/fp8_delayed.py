@@ -1,0 +1,209 @@
+"""precision.fp8_scaling=delayed: fp8 casts of activations and gradients in one pass.
+
+torchao's tensorwise recipe scales dynamically: each input and output gradient is read once for
+its amax and again for the cast, since the cast's scale depends on the whole tensor. At
+model=1b on one H200 those amax-only reads were about 20 ms of fp8's 254 ms of GPU time a step
+(the SwiGLU backward's gradient 6.8 ms, the forward's norms about 7.6, the RoPE backward's 4.0,
+the SwiGLU forward's 3.1: bench/results/2026-11-30-gpu-s22/call5_profile1b/); that is most of
+why fp8 was 1.20x bf16 there against 1.28x at 8b. torchao has dropped its delayed scaling;
+this is Transformer Engine's recipe on torchao's Float8Linear.
+
+Delayed scaling casts with a scale known before the tensor is made: fmax / (the largest amax
+of the last `history` optimizer steps). The cast then no longer waits for its own tensor's
+amax, so Inductor fuses it into the kernel that produces the tensor, and the amax this step
+contributes to later steps is a row reduction in that same kernel (one pass: row maxima, then
+the max of those). Weights keep torchao's dynamic scales (their amax is cheap, and under fsdp
+the precomputed one is already off the critical path).
+
+- The first step after start or a checkpoint load has no history: it scales dynamically
+  (torchao's numerics, bit for bit) and records the amaxes. The history is not checkpointed.
+  Flipping to delayed compiles the graphs once more.
+- A value above the scale's range saturates at fp8's largest (torchao's saturated cast), as in
+  Transformer Engine; the history's maximum keeps that rare.
+- Linears that read one tensor (a block's wq/wk/wv, w1/w3: `same_input` in dtrain/model.py)
+  share the input's state, so the tensor is cast once, as dynamic scaling's common
+  subexpression gave.
+- Each rank keeps its own amaxes (no communication): only where a tensor was made matters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+from torchao.float8.float8_utils import amax_to_scale
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """|t|'s largest value, fp32, with no gradient. Row maxima first: Inductor puts a row
+    reduction in the kernel that makes `t` (a full reduction would be a split reduction of its
+    own, reading `t` again)."""
+    return t.detach().reshape(-1, t.shape[-1]).abs().amax(-1).max().to(torch.float32)
+
+
+def _scale(history: torch.Tensor, now: torch.Tensor, dtype: torch.dtype, delayed: bool):
+    return amax_to_scale(history.max() if delayed else now, dtype)
+
+
+class _Fp8State(nn.Module):
+    """One cast site's amax: `amax` (this step's so far; the max over micro-batches and over
+    recomputation, which gives the same value again) and `history` (the last steps', newest
+    first). Buffers, not persistent: they follow the module to its device and never reach a
+    checkpoint."""
+
+    def __init__(self, length: int, device):
+        super().__init__()
+        self.register_buffer("amax", torch.zeros((), device=device), persistent=False)
+        self.register_buffer("history", torch.zeros(length, device=device), persistent=False)
+
+    def record(self, t: torch.Tensor) -> torch.Tensor:
+        now = _amax(t)
+        self.amax.copy_(torch.maximum(self.amax, now))
+        return now
+
+
+class _GradCast(torch.autograd.Function):
+    """Identity forward; the backward casts the output gradient to fp8 with the delayed scale
+    (a Float8TrainingTensor, which torchao's matmul backward takes as it is) and records its
+    amax. The state rides on ctx, not in saved tensors: it is written in backward."""
+
+    @staticmethod
+    def forward(ctx, y, state, delayed, linear_mm_config, dtype):
+        ctx.state, ctx.delayed, ctx.linear_mm_config, ctx.dtype = (
+            state,
+            delayed,
+            linear_mm_config,
+            dtype,
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        now = ctx.state.record(dy)
+        scale = _scale(ctx.state.history, now, ctx.dtype, ctx.delayed)
+        dy8 = hp_tensor_and_scale_to_float8(
+            dy, scale, ctx.dtype, ctx.linear_mm_config, GemmInputRole.GRAD_OUTPUT
+        )
+        return dy8, None, None, None, None
+
+
+class DelayedFloat8Linear(Float8Linear):
+    """torchao's Float8Linear with delayed scales for its input and output gradient."""
+
+    def init_delayed(self, history: int, input_state: _Fp8State | None = None) -> None:
+        device = self.weight.device
+        # The state of a shared input belongs to its first reader; the others reach it by a
+        # plain reference (not a submodule: it is counted, moved and named once).
+        if input_state is None:
+            self.fp8_input = _Fp8State(history, device)
+        object.__setattr__(self, "_shared_input", input_state)
+        self.fp8_grad = _Fp8State(history, device)
+        self.delayed = False  # the first step after start or load: dynamic (no history yet)
+
+    def input_state(self) -> _Fp8State:
+        shared = self._shared_input
+        return self.fp8_input if shared is None else shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled():  # as Float8Linear.forward: outputs in autocast's dtype
+            x = x.to(torch.get_autocast_gpu_dtype())
+        c = self.config
+        state = self.input_state()
+        # Eval records nothing: the history is the training tensors'.
+        now = state.record(x) if self.training else _amax(x)
+        in_dtype = c.cast_config_input.target_dtype
+        x8 = hp_tensor_and_scale_to_float8(
+            x,
+            _scale(state.history, now, in_dtype, self.delayed),
+            in_dtype,
+            self.linear_mm_config,
+            GemmInputRole.INPUT,
+        )
+        y = matmul_with_hp_or_float8_args.apply(x8, self.weight.t(), self.linear_mm_config, c)
+        return _GradCast.apply(
+            y,
+            self.fp8_grad,
+            self.delayed,
+            self.linear_mm_config,
+            c.cast_config_grad_output.target_dtype,
+        )
+
+
+def _roll(amaxes: list[torch.Tensor], histories: list[torch.Tensor]) -> None:
+    for amax, history in zip(amaxes, histories, strict=True):
+        history.copy_(torch.cat([amax[None], history[:-1]]))
+        amax.zero_()
+
+
+_compiled_roll = None
+
+
+class DelayedScaling:
+    """The fp8 linears of one model under delayed scaling: `step()` after each optimizer step
+    pushes every site's amax into its history (one compiled call for all of them where the
+    model compiles) and turns delayed scaling on; `reset()` after a checkpoint load drops the
+    history, so the next step scales dynamically and records again."""
+
+    def __init__(self, linears: list[DelayedFloat8Linear], device, *, compiled: bool):
+        self.linears, self.compiled = linears, compiled
+        states = {id(s): s for m in linears for s in (m.input_state(), m.fp8_grad)}
+        self.states = list(states.values())
+        for s in self.states:  # fsdp's to_empty left them unset, and on the host if offloaded
+            s.to(device)
+        self.reset()
+
+    @classmethod
+    def of(cls, module: nn.Module, device, *, compiled: bool) -> DelayedScaling:
+        linears = [m for m in module.modules() if isinstance(m, DelayedFloat8Linear)]
+        return cls(linears, device, compiled=compiled)
+
+    def step(self) -> None:
+        global _compiled_roll
+        amaxes = [s.amax for s in self.states]
+        histories = [s.history for s in self.states]
+        if self.compiled:
+            if _compiled_roll is None:
+                _compiled_roll = torch.compile(_roll, dynamic=False)
+            _compiled_roll(amaxes, histories)
+        else:
+            _roll(amaxes, histories)
+        for m in self.linears:
+            m.delayed = True
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for s in self.states:
+            s.amax.zero_()
+            s.history.zero_()
+        for m in self.linears:
+            m.delayed = False
+
+
+def state_buffer_names(module: nn.Module) -> list[str]:
+    """The fully qualified names of `module`'s delayed-scaling buffers."""
+    return [
+        f"{name}.{buffer}"
+        for name, m in module.named_modules()
+        if isinstance(m, _Fp8State)
+        for buffer, _ in m.named_buffers(recurse=False)
+    ]
+
+
+def install_delayed_scaling(module: nn.Module, history: int) -> list[DelayedFloat8Linear]:
+    """Turn the Float8Linears of `module` (convert_to_float8_training's) into
+    DelayedFloat8Linears with `history` steps of amax; linears named in a parent's
+    `same_input` share that input's state. Returns them."""
+    linears = []
+    for parent in module.modules():
+        shared: _Fp8State | None = None
+        same = getattr(parent, "same_input", ())
+        for name, child in parent.named_children():
+            if type(child) is not Float8Linear:
+                continue
+            child.__class__ = DelayedFloat8Linear  # only forward and state added
+            child.init_delayed(history, shared if name in same else None)
+            if name in same and shared is None:
+                shared = child.fp8_input
+            linears.append(child)
+    return linears
