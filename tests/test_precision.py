@@ -432,6 +432,18 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=bf16", "+precision.fp8_lm_head=true"], "precision=fp8 only"),
         (["precision=int8", "+precision.fp8_fast_accum=all"], "precision=fp8 only"),
         (["precision=fp8", "precision.fp8_fast_accum=true"], "choose forward, grad_input, all"),
+        (["precision=bf16", "+precision.fp8_scaling=delayed"], "precision=fp8 only"),
+        (["precision=int8", "+precision.fp8_amax_history=4"], "precision=fp8 only"),
+        (["precision=fp8", "precision.fp8_scaling=late"], "choose dynamic or delayed"),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"]
+            + ["precision.fp8_scaling=delayed"],
+            "fp8_scaling=delayed applies to precision.fp8_recipe=tensorwise only",
+        ),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_amax_history=0"],
+            "must be at least 1",
+        ),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_lm_head=true"]
             + ["strategy=fsdp"],

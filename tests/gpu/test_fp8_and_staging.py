@@ -48,6 +48,30 @@ def test_compiled_fp8_block_takes_the_transpose_op_on_cuda(monkeypatch):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-5), (a - b).abs().max()
 
 
+def test_delayed_scaling_compiles_and_computes_dynamic_scalings_step_on_cuda():
+    """precision.fp8_scaling=delayed in a compiled block at 1b's widths: the first step scales
+    dynamically; after the history rolls, the same input (so the same amax) gives the same step
+    with the casts fused where the tensors are made: equal to rounding (kernels fuse
+    differently), every output and gradient."""
+    pytest.importorskip("torchao")
+    from tests.test_fp8_delayed import delayed_twin, step
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    block, rope = fp8_block(d_model=2048, ffn_hidden=5632, seq=256, device="cuda")
+    twin, delayed = delayed_twin(block, compiled=True)
+    torch._dynamo.reset()
+    dynamic = step(block, rope, compiled=True)
+    first = step(twin, rope, compiled=True)
+    delayed.step()
+    assert all(float(s.history[0]) > 0 for s in delayed.states)
+    assert all(m.delayed for m in delayed.linears)
+    again = step(twin, rope, compiled=True)
+    for a, b, c in zip(dynamic, first, again, strict=True):
+        for d in (b, c):
+            assert torch.allclose(a.float(), d.float(), rtol=2e-2, atol=1e-5), (a - d).abs().max()
+
+
 @pytest.mark.parametrize("fast", ["forward", "grad_input", "all"])
 def test_fp8_head_and_fast_accum_reach_the_scaled_mms(monkeypatch, fast):
     """Every torch._scaled_mm of a forward and backward, with the head in fp8: the forward

@@ -1,0 +1,173 @@
+"""precision.fp8_scaling=delayed (dtrain/lowp/fp8_delayed.py), on CPU where torch._scaled_mm
+runs in real fp8: the first step is dynamic scaling bit for bit; later casts take their scale
+from the amax history (the output and both gradients are those of that scale, saturating
+where the history is too small); the history rolls after each step, keeps the max over
+micro-batches, ignores eval, and starts again after a load; linears that read one tensor share
+its state; and training runs through the command line and resumes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dtrain.config import OptimConfig, PrecisionConfig, StrategyConfig
+from dtrain.dist import DistEnv
+from dtrain.precision import build_precision
+from dtrain.strategies.single import SingleStrategy
+from tests.test_fp8_layout import fp8_block
+from tests.test_precision import CPU, TINY
+
+pytest.importorskip("torchao")
+fp8_delayed = pytest.importorskip("dtrain.lowp.fp8_delayed")
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def delayed_twin(block, compiled=False):
+    """A copy of the fp8 `block` with delayed scaling, and its DelayedScaling."""
+    twin = copy.deepcopy(block)
+    linears = fp8_delayed.install_delayed_scaling(twin, history=4)
+    device = block.attn_norm.weight.device
+    return twin, fp8_delayed.DelayedScaling(linears, device, compiled=compiled)
+
+
+def step(block, rope, compiled=False):
+    """Output, input gradient and parameter gradients of one forward and backward (bf16
+    autocast on a GPU), the same input every call; the gradients are then cleared."""
+    d = block.attn_norm.weight
+    x = torch.randn(2, rope.shape[0], d.shape[0], generator=torch.Generator().manual_seed(1))
+    x = x.to(d.device).requires_grad_(True)
+    run = torch.compile(block) if compiled else block
+    with torch.autocast(d.device.type, torch.bfloat16, enabled=d.is_cuda):
+        out = run(x, rope)[0]
+    out.float().pow(2).mean().backward()
+    grads = [out.detach(), x.grad] + [p.grad.clone() for p in block.parameters()]
+    for p in block.parameters():
+        p.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_first_step_is_dynamic_and_a_full_history_of_the_same_tensors_changes_nothing(compiled):
+    block, rope = fp8_block()
+    twin, delayed = delayed_twin(block)
+    assert all(m.delayed is False for m in delayed.linears)
+    torch._dynamo.reset()
+    first = step(block, rope, compiled)
+    assert all(torch.equal(a, b) for a, b in zip(first, step(twin, rope, compiled), strict=True))
+    recorded = [float(s.amax) for s in delayed.states]
+    assert all(a > 0 for a in recorded)
+    delayed.step()
+    assert all(m.delayed for m in delayed.linears)
+    assert [float(s.history[0]) for s in delayed.states] == recorded
+    assert all(float(s.amax) == 0 for s in delayed.states)
+    # Same weights, same input: the history's max is this step's amax, the scales dynamic's.
+    again = step(twin, rope, compiled)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def dequant(t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+@pytest.mark.parametrize("factor", [4.0, 0.25])  # history above the tensor's amax; below: clips
+def test_a_delayed_cast_uses_the_historys_scale(factor):
+    from torchao.float8.float8_utils import amax_to_scale
+
+    block, _ = fp8_block()
+    twin, delayed = delayed_twin(block)
+    lin = twin.attn.wo
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    dy = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    hx, hdy = factor * x.detach().abs().max(), factor * dy.abs().max()
+    delayed.step()  # delayed from now on
+    lin.fp8_input.history[1] = hx  # the max of the history (its newest entry is 0 here)
+    lin.fp8_grad.history[2] = hdy
+    y = lin(x)
+    y.backward(dy)
+    w = lin.weight.detach()
+    sx, sdy, sw = amax_to_scale(hx, E4), amax_to_scale(hdy, E5), amax_to_scale(w.abs().max(), E4)
+    xq, dyq, wq = dequant(x.detach(), sx, E4), dequant(dy, sdy, E5), dequant(w, sw, E4)
+    close = dict(rtol=1e-5, atol=1e-6)
+    assert torch.allclose(y.detach().float(), xq @ wq.t(), **close)
+    assert torch.allclose(x.grad.float(), dyq @ wq, **close)
+    assert torch.allclose(lin.weight.grad.float(), dyq.t() @ xq, **close)
+    # and the dynamic scale gives other numbers (the test would not see a scale left unused)
+    assert not torch.allclose(xq, dequant(x.detach(), amax_to_scale(x.abs().max(), E4), E4))
+    assert float(lin.fp8_input.amax) == float(x.detach().abs().max())
+    assert float(lin.fp8_grad.amax) == float(dy.abs().max())
+
+
+def test_history_rolls_keeps_the_micro_batch_max_skips_eval_and_resets():
+    block, _ = fp8_block()
+    twin, delayed = delayed_twin(block)
+    lin = twin.ffn.w2
+    state = lin.fp8_input
+    for scale in (1.0, 3.0, 2.0):  # three micro-batches: the step's amax is the largest
+        lin(torch.full((4, 128), scale))
+    assert float(state.amax) == 3.0
+    delayed.step()
+    lin(torch.full((4, 128), 5.0))
+    delayed.step()
+    assert state.history.tolist() == [5.0, 3.0, 0.0, 0.0]  # newest first, 4 long
+    lin.eval()
+    lin(torch.full((4, 128), 100.0))
+    assert float(state.amax) == 0.0  # eval records nothing
+    delayed.reset()
+    assert all(m.delayed is False for m in delayed.linears)
+    assert state.history.abs().sum() == 0
+
+
+def test_linears_that_read_one_tensor_share_its_state():
+    block, _ = fp8_block()
+    twin, delayed = delayed_twin(block)
+    attn, ffn = twin.attn, twin.ffn
+    assert attn.wk.input_state() is attn.wq.input_state() is attn.wv.input_state()
+    assert ffn.w3.input_state() is ffn.w1.input_state()
+    assert attn.wo.input_state() is not attn.wq.input_state()
+    assert ffn.w2.input_state() is not ffn.w1.input_state()
+    assert len({id(m.fp8_grad) for m in delayed.linears}) == 7  # every output its own
+    assert len(delayed.states) == 4 + 7  # inputs: qkv, wo, w1/w3, w2
+    names = fp8_delayed.state_buffer_names(twin)
+    assert "attn.wq.fp8_input.history" in names and "attn.wk.fp8_input.history" not in names
+    assert not any("fp8" in k for k in twin.state_dict())  # never checkpointed
+
+
+def strategy(scaling: str) -> SingleStrategy:
+    cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_scaling=scaling)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU)
+    s = SingleStrategy(StrategyConfig(compile=False), build_precision(cfg, CPU), env)
+    s.setup(TINY, OptimConfig(warmup_steps=0), seed=0)
+    return s
+
+
+def test_the_strategy_rolls_after_each_step_and_starts_again_after_a_load():
+    s = strategy("delayed")
+    assert s.post_step is not None and s.post_load is not None
+    linears = [m for m in s.module.modules() if isinstance(m, fp8_delayed.DelayedFloat8Linear)]
+    assert len(linears) == 7 * TINY.n_layer
+    x = torch.randint(0, TINY.vocab_size, (2, 16))
+    s.forward_backward(x, x, last_micro=True, loss_div=1)
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    assert all(m.delayed for m in linears)
+    assert float(linears[0].input_state().history[0]) > 0
+    s.load_state_dict(s.state_dict())
+    assert not any(m.delayed for m in linears)
+    assert float(linears[0].input_state().history.abs().sum()) == 0
+    assert strategy("dynamic").post_step is None  # nothing to roll with dynamic scales
+
+
+def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):
+    from tests.test_precision import STEPS, train
+
+    opts = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
+    every = [*STEPS, "trainer.log_every=1"]
+    losses = [loss for _, loss in train(tmp_path / "d", *opts, *every)["losses"]]
+    dynamic = [loss for _, loss in train(tmp_path / "s", *opts[:2], *every)["losses"]]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[0] == dynamic[0] and losses[1] != dynamic[1]  # step 1 dynamic, then delayed
+    assert abs(losses[-1] - dynamic[-1]) / dynamic[-1] < 0.05, (losses, dynamic)
+    resumed = train(tmp_path / "d", *opts, *every, "trainer.max_steps=6")["losses"]
+    assert [s for s, _ in resumed] == [5, 6] and torch.isfinite(torch.tensor(resumed)).all()
