@@ -48,28 +48,38 @@ def test_compiled_fp8_block_takes_the_transpose_op_on_cuda(monkeypatch):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-5), (a - b).abs().max()
 
 
-def test_delayed_scaling_compiles_and_computes_dynamic_scalings_step_on_cuda():
-    """precision.fp8_scaling=delayed in a compiled block at 1b's widths: the first step scales
-    dynamically; after the history rolls, the same input (so the same amax) gives the same step
-    with the casts fused where the tensors are made: equal to rounding (kernels fuse
-    differently), every output and gradient."""
+def test_delayed_scaling_compiles_and_is_as_close_to_bf16_as_dynamic_scaling_on_cuda():
+    """precision.fp8_scaling=delayed in a compiled block at 1b's widths, on the same input
+    twice: the first step scales dynamically; after the history rolls, the second casts with
+    the history's scale, fused where the tensors are made. Not bitwise dynamic's: fused, a
+    norm's output goes to fp8 without the bf16 rounding between (the first run of this test,
+    twenty-third session: outputs 0.0162 apart at most, fp8's rounding step). So each output
+    and gradient of both steps is held to dynamic scaling's own distance from the same block
+    in bf16 (with a quarter more room)."""
     pytest.importorskip("torchao")
+    from dtrain.model import Block, ModelConfig
     from tests.test_fp8_delayed import delayed_twin, step
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no fp8 tensor cores")
     block, rope = fp8_block(d_model=2048, ffn_hidden=5632, seq=256, device="cuda")
+    torch.manual_seed(0)  # fp8_block's weights, left in bf16
+    bf16 = Block(ModelConfig(d_model=2048, n_head=4, ffn_hidden=5632)).to("cuda")
     twin, delayed = delayed_twin(block, compiled=True)
     torch._dynamo.reset()
-    dynamic = step(block, rope, compiled=True)
+    ref, dynamic = step(bf16, rope, compiled=True), step(block, rope, compiled=True)
     first = step(twin, rope, compiled=True)
     delayed.step()
     assert all(float(s.history[0]) > 0 for s in delayed.states)
     assert all(m.delayed for m in delayed.linears)
     again = step(twin, rope, compiled=True)
-    for a, b, c in zip(dynamic, first, again, strict=True):
-        for d in (b, c):
-            assert torch.allclose(a.float(), d.float(), rtol=2e-2, atol=1e-5), (a - d).abs().max()
+
+    def off(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    for r, d, f, a in zip(ref, dynamic, first, again, strict=True):
+        assert 0 < off(d, r) < 0.25  # fp8 at all (about 0.01-0.1 on CPU at width 256), not broken
+        assert off(f, r) <= 1.25 * off(d, r) and off(a, r) <= 1.25 * off(d, r)
 
 
 @pytest.mark.parametrize("fast", ["forward", "grad_input", "all"])
