@@ -171,3 +171,54 @@ def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):
     assert abs(losses[-1] - dynamic[-1]) / dynamic[-1] < 0.05, (losses, dynamic)
     resumed = train(tmp_path / "d", *opts, *every, "trainer.max_steps=6")["losses"]
     assert [s for s, _ in resumed] == [5, 6] and torch.isfinite(torch.tensor(resumed)).all()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_delayed_fp8_trains_on_two_ranks(tmp_path, strategy):
+    """ddp (each rank's amaxes its own: DDP does not broadcast them) and fsdp (the state is
+    materialised by fsdp's to_empty, then reset): the same global batch trains as on one rank,
+    to fp8's noise (each rank scales its own half of the batch)."""
+    from tests.conftest import FAST, launch, train_losses
+
+    steps = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
+    steps += ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
+    one = launch(*FAST, *steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/s")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(
+        *FAST,
+        *steps,
+        f"strategy={strategy}",
+        "trainer.micro_batch_size=4",
+        f"hydra.run.dir={tmp_path}/d",
+        nproc=2,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = train_losses(tmp_path / "s"), train_losses(tmp_path / "d")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert a[1] == pytest.approx(b[1], rel=1e-3)  # step 1: dynamic scales
+    for step in (2, 3):
+        assert a[step] == pytest.approx(b[step], rel=0.02), (a, b)
+
+
+def test_ddp_leaves_each_ranks_amaxes_alone(monkeypatch):
+    """DDP broadcasts rank 0's buffers before every forward unless told not to: the delayed
+    state is on its ignore list (and nothing else is)."""
+    import torch.distributed as dist
+
+    from dtrain.strategies.ddp import DDPStrategy
+    from tests.netns import _free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_scaling="delayed")
+        env = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU)
+        s = DDPStrategy(StrategyConfig(name="ddp", compile=False), build_precision(cfg, CPU), env)
+        s.setup(TINY, OptimConfig(warmup_steps=0), seed=0)
+        ignored = set(s.module._ddp_params_and_buffers_to_ignore)
+        assert ignored == set(fp8_delayed.state_buffer_names(s.module))
+        assert len(ignored) == 2 * (4 + 7) * TINY.n_layer  # amax and history of each state
+        assert "rope_cache" not in ignored
+    finally:
+        dist.destroy_process_group()
