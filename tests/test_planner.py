@@ -256,6 +256,24 @@ def test_fp8_lm_head_is_planned_at_the_fp8_rate():
     assert plan_speed(m_odd, odd, real).compute_s == plan_speed(m_odd, odd_head, real).compute_s
 
 
+def test_delayed_fp8_scaling_is_planned_one_cast_pass_lighter():
+    """precision.fp8_scaling=delayed fuses the amax pass over each cast operand into the kernel
+    that makes it: the plan's compute drops by one pass over the blocks' linear features, and
+    with memory that takes no time, by nothing."""
+    real = datasheet_machine(H100)
+    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
+    cfg, dynamic = _setup(*flags)
+    _, delayed = _setup(*flags, "precision.fp8_scaling=delayed")
+    m = cfg.model
+    tokens = dynamic.micro_batch_size * dynamic.seq_len
+    features = m.n_layer * sp.linear_params_per_block(m)[1]
+    one_pass = features * 2 * tokens / (real.hbm_bytes_per_s * sp.HBM_EFFICIENCY)
+    saved = plan_speed(m, dynamic, real).compute_s - plan_speed(m, delayed, real).compute_s
+    assert saved == pytest.approx(sp.DELAYED_SAVED_PASSES * one_pass, rel=1e-6) and saved > 0
+    free = _no_memory_bound(datasheet_machine(H100))
+    assert plan_speed(m, dynamic, free).compute_s == plan_speed(m, delayed, free).compute_s
+
+
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():
     """precision=fp8 (tensorwise) under fsdp all-gathers the block linears' weights in fp8;
     with precision.fp8_all_gather=false they travel in bf16, as bf16's do."""
@@ -504,6 +522,7 @@ def test_known_points_are_within_15_percent():
         (("strategy=fsdp",), 2, 110_400 / 2),
         (("strategy=zero2",), 2, 107_000 / 2),
         (("strategy=single", "precision=fp8"), 1, 72_515),
+        (("strategy=single", "precision=fp8", "precision.fp8_scaling=delayed"), 1, 74_157),
         # ZeRO-3 without DeepCompile: eager three times (2026-11-26b, 2026-11-27 calls 4 and 5),
         # then under plain torch.compile (deepspeed.py's EAGER_ZERO3, HOOKED_COMPILED_ZERO3)
         (("strategy=zero3", "strategy.deepcompile=false"), 2, 36_968),
