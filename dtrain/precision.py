@@ -149,8 +149,9 @@ PRECISIONS: dict[str, Precision] = {
         _F32,
         _F32,
         quantize="fp8",
-        quantized=f"{_BLOCK_LINEARS}: torchao float8 training, dynamic "
-        "scales; e4m3 inputs and weights, gradients e5m2 (tensorwise) or e4m3 (rowwise)",
+        quantized=f"{_BLOCK_LINEARS}: torchao float8 training, dynamic scales (or, with "
+        "fp8_scaling=delayed, inputs' and gradients' from the last steps' amax); e4m3 inputs and "
+        "weights, gradients e5m2 (tensorwise) or e4m3 (rowwise)",
         summary="fp8 matmuls through torchao.float8 (H100/H200), bf16 elsewhere",
     ),
 }
