@@ -222,3 +222,15 @@ def test_ddp_leaves_each_ranks_amaxes_alone(monkeypatch):
         assert "rope_cache" not in ignored
     finally:
         dist.destroy_process_group()
+
+
+def test_a_linear_with_bias_adds_it_as_torchaos_does():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    convert_to_float8_training(model, config=Float8LinearConfig())
+    twin = copy.deepcopy(model)
+    fp8_delayed.DelayedScaling(fp8_delayed.install_delayed_scaling(twin, 4), "cpu", compiled=False)
+    x = torch.randn(16, 64)
+    assert torch.equal(twin(x), model(x))  # first step dynamic: torchao's bits, bias included

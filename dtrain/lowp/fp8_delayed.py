@@ -107,7 +107,7 @@ class DelayedFloat8Linear(Float8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled():  # as Float8Linear.forward: outputs in autocast's dtype
-            x = x.to(torch.get_autocast_gpu_dtype())
+            x = x.to(torch.get_autocast_dtype("cuda"))  # its (GPU's) dtype, not the deprecated call
         c = self.config
         state = self.input_state()
         # Eval records nothing: the history is the training tensors'.
@@ -121,13 +121,16 @@ class DelayedFloat8Linear(Float8Linear):
             GemmInputRole.INPUT,
         )
         y = matmul_with_hp_or_float8_args.apply(x8, self.weight.t(), self.linear_mm_config, c)
-        return _GradCast.apply(
+        y = _GradCast.apply(
             y,
             self.fp8_grad,
             self.delayed,
             self.linear_mm_config,
             c.cast_config_grad_output.target_dtype,
         )
+        if self.bias is not None:  # as Float8Linear.forward (dtrain's linears have none)
+            y = y + self.bias.to(y.dtype)
+        return y
 
 
 def _roll(amaxes: list[torch.Tensor], histories: list[torch.Tensor]) -> None:
