@@ -219,6 +219,12 @@ def build_precision(
             f"precision.fp8_scaling=delayed applies to precision.fp8_recipe=tensorwise only "
             f"(one scale a tensor), not {cfg.fp8_recipe}; remove one of them"
         )
+    if cfg.fp8_amax_history != PrecisionConfig.fp8_amax_history and cfg.fp8_scaling != "delayed":
+        raise ConfigError(
+            "precision.fp8_amax_history applies to precision.fp8_scaling=delayed only "
+            f"(fp8_scaling={cfg.fp8_scaling} takes each scale from its own tensor); remove it "
+            "or set precision.fp8_scaling=delayed"
+        )
     if cfg.fp8_amax_history < 1:
         raise ConfigError(
             f"precision.fp8_amax_history={cfg.fp8_amax_history} must be at least 1 (steps of "

@@ -1,7 +1,7 @@
 """Run under torchrun (2 ranks, gloo): fsdp's fp8 step path on CPU (torchao's emulated casts).
 
 FSDP2 all-gathers fp8 weights; every shard must cast with the same scale. After each optimizer
-step the strategy precomputes all weights' scales in one all-reduce (precision.post_step_hook)
+step the strategy precomputes all weights' scales in one all-reduce (precision.precision_hooks)
 instead of one all-reduce per linear in the next forward. This trains 3 steps with the hook and
 3 without, from the same weights and data, and writes rank{r}.txt into argv[1]: how many fp8
 weights carry a precomputed scale and a cached fp8 shard (lowp/fp8.install_cached_weight_cast)

@@ -72,8 +72,9 @@ def dequant(t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (t.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("factor", [4.0, 0.25])  # history above the tensor's amax; below: clips
-def test_a_delayed_cast_uses_the_historys_scale(factor):
+def test_a_delayed_cast_uses_the_historys_scale(factor, compiled):
     from torchao.float8.float8_utils import amax_to_scale
 
     block, _ = fp8_block()
@@ -85,7 +86,8 @@ def test_a_delayed_cast_uses_the_historys_scale(factor):
     delayed.step()  # delayed from now on
     lin.fp8_input.history[1] = hx  # the max of the history (its newest entry is 0 here)
     lin.fp8_grad.history[2] = hdy
-    y = lin(x)
+    torch._dynamo.reset()
+    y = (torch.compile(lin) if compiled else lin)(x)
     y.backward(dy)
     w = lin.weight.detach()
     sx, sdy, sw = amax_to_scale(hx, E4), amax_to_scale(hdy, E5), amax_to_scale(w.abs().max(), E4)
@@ -112,12 +114,35 @@ def test_history_rolls_keeps_the_micro_batch_max_skips_eval_and_resets():
     lin(torch.full((4, 128), 5.0))
     delayed.step()
     assert state.history.tolist() == [5.0, 3.0, 0.0, 0.0]  # newest first, 4 long
+    with torch.no_grad():  # the trainer's eval: no_grad, still in train mode
+        lin(torch.full((4, 128), 100.0))
     lin.eval()
     lin(torch.full((4, 128), 100.0))
     assert float(state.amax) == 0.0  # eval records nothing
     delayed.reset()
     assert all(m.delayed is False for m in delayed.linears)
     assert state.history.abs().sum() == 0
+
+
+def test_a_non_finite_step_does_not_reach_the_scales():
+    """trainer.on_nonfinite=skip goes on after an inf/NaN step: its amax enters the history as
+    the history's max, so the next scales are the last finite ones; on the first step (still
+    dynamic) delayed scaling waits for a step whose amaxes are all finite."""
+    block, _ = fp8_block()
+    twin, delayed = delayed_twin(block)
+    lin = twin.ffn.w2
+    lin(torch.full((4, 128), float("nan")))
+    delayed.step()
+    assert not lin.delayed and float(lin.fp8_input.history.abs().sum()) == 0  # still dynamic
+    lin(torch.full((4, 128), 2.0))
+    delayed.step()
+    assert lin.delayed and lin.fp8_input.history.tolist() == [2.0, 0.0, 0.0, 0.0]
+    lin(torch.full((4, 128), float("inf")))
+    delayed.step()
+    assert lin.fp8_input.history.tolist() == [2.0, 2.0, 0.0, 0.0]
+    x = torch.randn(8, 128).requires_grad_(True)
+    lin(x).backward(torch.randn(8, 64))
+    assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
 
 
 def test_linears_that_read_one_tensor_share_its_state():

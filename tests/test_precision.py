@@ -441,8 +441,13 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
             "fp8_scaling=delayed applies to precision.fp8_recipe=tensorwise only",
         ),
         (
-            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_amax_history=0"],
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
+            + ["precision.fp8_amax_history=0"],
             "must be at least 1",
+        ),
+        (
+            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_amax_history=4"],
+            "applies to precision.fp8_scaling=delayed only",
         ),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_lm_head=true"]

@@ -110,8 +110,10 @@ class DelayedFloat8Linear(Float8Linear):
             x = x.to(torch.get_autocast_dtype("cuda"))  # its (GPU's) dtype, not the deprecated call
         c = self.config
         state = self.input_state()
-        # Eval records nothing: the history is the training tensors'.
-        now = state.record(x) if self.training else _amax(x)
+        # Only forwards that train record (the trainer's eval runs under no_grad, in train
+        # mode; activation checkpointing's recompute runs with grad on and records the same
+        # amax again); the history is the training tensors'.
+        now = state.record(x) if self.training and torch.is_grad_enabled() else _amax(x)
         in_dtype = c.cast_config_input.target_dtype
         x8 = hp_tensor_and_scale_to_float8(
             x,
@@ -135,25 +137,27 @@ class DelayedFloat8Linear(Float8Linear):
 
 def _roll(amaxes: list[torch.Tensor], histories: list[torch.Tensor]) -> None:
     for amax, history in zip(amaxes, histories, strict=True):
-        history.copy_(torch.cat([amax[None], history[:-1]]))
+        # A non-finite step (skipped by trainer.on_nonfinite=skip) enters as the history's
+        # max: recorded as it was, its inf/NaN would be every later scale's.
+        kept = torch.where(amax.isfinite(), amax, history.max())
+        history.copy_(torch.cat([kept[None], history[:-1]]))
         amax.zero_()
-
-
-_compiled_roll = None
 
 
 class DelayedScaling:
     """The fp8 linears of one model under delayed scaling: `step()` after each optimizer step
     pushes every site's amax into its history (one compiled call for all of them where the
-    model compiles) and turns delayed scaling on; `reset()` after a checkpoint load drops the
-    history, so the next step scales dynamically and records again."""
+    model compiles) and turns delayed scaling on, once a step's amaxes were all finite;
+    `reset()` after a checkpoint load drops the history, so the next step scales dynamically
+    and records again."""
 
     def __init__(self, linears: list[DelayedFloat8Linear], device, *, compiled: bool):
-        self.linears, self.compiled = linears, compiled
+        self.linears = linears
         states = {id(s): s for m in linears for s in (m.input_state(), m.fp8_grad)}
         self.states = list(states.values())
         for s in self.states:  # fsdp's to_empty left them unset, and on the host if offloaded
             s.to(device)
+        self._roll = torch.compile(_roll, dynamic=False) if compiled else _roll
         self.reset()
 
     @classmethod
@@ -162,15 +166,15 @@ class DelayedScaling:
         return cls(linears, device, compiled=compiled)
 
     def step(self) -> None:
-        global _compiled_roll
         amaxes = [s.amax for s in self.states]
         histories = [s.history for s in self.states]
-        if self.compiled:
-            if _compiled_roll is None:
-                _compiled_roll = torch.compile(_roll, dynamic=False)
-            _compiled_roll(amaxes, histories)
-        else:
-            _roll(amaxes, histories)
+        if self.linears and not self.linears[0].delayed:
+            # Still dynamic (the first step after start or load): turn delayed only on amaxes
+            # that are all finite, else the history would start empty. One sync, only then.
+            if not bool(torch.stack(amaxes).isfinite().all()):
+                self.reset()
+                return
+        self._roll(amaxes, histories)
         for m in self.linears:
             m.delayed = True
 
