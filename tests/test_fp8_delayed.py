@@ -225,12 +225,13 @@ def test_delayed_fp8_trains_on_two_ranks(tmp_path, strategy):
         assert a[step] == pytest.approx(b[step], rel=0.02), (a, b)
 
 
-def test_ddp_leaves_each_ranks_amaxes_alone(monkeypatch):
+def test_ddp_leaves_each_ranks_amaxes_alone_and_fsdp_zeroes_them(monkeypatch):
     """DDP broadcasts rank 0's buffers before every forward unless told not to: the delayed
-    state is on its ignore list (and nothing else is)."""
+    state is on its ignore list (and nothing else is). fsdp's state starts at zero."""
     import torch.distributed as dist
 
     from dtrain.strategies.ddp import DDPStrategy
+    from dtrain.strategies.fsdp import FSDPStrategy
     from tests.netns import _free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -245,6 +246,15 @@ def test_ddp_leaves_each_ranks_amaxes_alone(monkeypatch):
         assert ignored == set(fp8_delayed.state_buffer_names(s.module))
         assert len(ignored) == 2 * (4 + 7) * TINY.n_layer  # amax and history of each state
         assert "rope_cache" not in ignored
+        # fsdp builds on the meta device and materialises with to_empty (memory left unset):
+        # the states are zeroed once the model is real, on the compute device.
+        fsdp = FSDPStrategy(StrategyConfig(name="fsdp", compile=False), s.precision, env)
+        fsdp.setup(TINY, OptimConfig(warmup_steps=0), seed=0)
+        states = [m for m in fsdp.module.modules() if isinstance(m, fp8_delayed._Fp8State)]
+        assert len(states) == (4 + 7) * TINY.n_layer and fsdp.post_load is not None
+        for state in states:
+            assert state.amax.device == CPU and not state.amax.is_meta
+            assert float(state.amax) == 0 and float(state.history.abs().sum()) == 0
     finally:
         dist.destroy_process_group()
 
