@@ -456,6 +456,7 @@ RANGES: dict[str, str] = {
     "data.eval_fraction": "(0, 1)",
     "data.max_bytes": "> 0",
     "strategy.bucket_cap_mb": "> 0",
+    "precision.fp8_amax_history": "> 0",
     "strategy.replicate_degree": "> 0",
     "optim.lr": "> 0",
     "optim.min_lr_ratio": "[0, 1]",

@@ -225,11 +225,6 @@ def build_precision(
             f"(fp8_scaling={cfg.fp8_scaling} takes each scale from its own tensor); remove it "
             "or set precision.fp8_scaling=delayed"
         )
-    if cfg.fp8_amax_history < 1:
-        raise ConfigError(
-            f"precision.fp8_amax_history={cfg.fp8_amax_history} must be at least 1 (steps of "
-            "amax a delayed scale is taken from; 16 is the default)"
-        )
     reduce_dtype = _reduce_dtype(cfg, p)
     return replace(
         p,

@@ -443,7 +443,7 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
             + ["precision.fp8_amax_history=0"],
-            "must be at least 1",
+            "fp8_amax_history must be > 0, got 0",
         ),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_amax_history=4"],
