@@ -226,15 +226,21 @@ def test_an_undecided_auto_resharding_is_the_lean_choice():
     )
 
 
+def _fp8_single(option: str):
+    """The model, and the single-GPU fp8 set-ups without and with the precision `option`, and
+    the tokens of a step."""
+    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
+    cfg, plain = _setup(*flags)
+    _, optioned = _setup(*flags, option)
+    return cfg.model, plain, optioned, plain.micro_batch_size * plain.seq_len
+
+
 def test_fp8_lm_head_is_planned_at_the_fp8_rate():
     """precision.fp8_lm_head=true moves the head's matmuls to fp8's peak (plus its casts): the
     plan's compute drops by the head's time at bf16 less its time at fp8, nothing else."""
     machine = _no_memory_bound(datasheet_machine(H100))
     flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
-    cfg, plain = _setup(*flags)
-    _, head = _setup(*flags, "precision.fp8_lm_head=true")
-    m = cfg.model
-    tokens = plain.micro_batch_size * plain.seq_len
+    m, plain, head, tokens = _fp8_single("precision.fp8_lm_head=true")
     # what is not in the blocks' linears: the (tied) head, and the norms' few gains
     lin = m.n_layer * sp.linear_params_per_block(m)[0]
     flops = 6 * (count_params(m) - lin) * tokens
@@ -261,11 +267,7 @@ def test_delayed_fp8_scaling_is_planned_one_cast_pass_lighter():
     that makes it: the plan's compute drops by one pass over the blocks' linear features, and
     with memory that takes no time, by nothing."""
     real = datasheet_machine(H100)
-    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
-    cfg, dynamic = _setup(*flags)
-    _, delayed = _setup(*flags, "precision.fp8_scaling=delayed")
-    m = cfg.model
-    tokens = dynamic.micro_batch_size * dynamic.seq_len
+    m, dynamic, delayed, tokens = _fp8_single("precision.fp8_scaling=delayed")
     features = m.n_layer * sp.linear_params_per_block(m)[1]
     one_pass = features * 2 * tokens / (real.hbm_bytes_per_s * sp.HBM_EFFICIENCY)
     saved = plan_speed(m, dynamic, real).compute_s - plan_speed(m, delayed, real).compute_s

@@ -43,7 +43,7 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1, t.shape[-1]).abs().amax(-1).max().to(torch.float32)
 
 
-def _scale(history: torch.Tensor, now: torch.Tensor, dtype: torch.dtype, delayed: bool):
+def _scale(history: torch.Tensor, now: torch.Tensor | None, dtype: torch.dtype, delayed: bool):
     return amax_to_scale(history.max() if delayed else now, dtype)
 
 
@@ -113,8 +113,12 @@ class DelayedFloat8Linear(Float8Linear):
         state = self.input_state()
         # Only forwards that train record (the trainer's eval runs under no_grad, in train
         # mode; activation checkpointing's recompute runs with grad on and records the same
-        # amax again); the history is the training tensors'.
-        now = state.record(x) if self.training and torch.is_grad_enabled() else _amax(x)
+        # amax again); the history is the training tensors'. A delayed forward that does not
+        # record needs no amax at all.
+        if self.training and torch.is_grad_enabled():
+            now = state.record(x)
+        else:
+            now = None if self.delayed else _amax(x)
         in_dtype = c.cast_config_input.target_dtype
         x8 = hp_tensor_and_scale_to_float8(
             x,
@@ -175,9 +179,9 @@ class DelayedScaling:
             if not bool(torch.stack(amaxes).isfinite().all()):
                 self.reset()
                 return
+            for m in self.linears:
+                m.delayed = True
         self._roll(amaxes, histories)
-        for m in self.linears:
-            m.delayed = True
 
     @torch.no_grad()
     def reset(self) -> None:
