@@ -14,6 +14,8 @@
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
 # fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
+# dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
@@ -66,11 +68,11 @@ fsdp1b() {  # MODEL is bench/common.sh's default, 1b
 }
 case "${1:-}" in
   fsdp8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
-      with_env $p fsdp8b fsdp8b_$p $(prec $p); done ;;
+      with_env $p fsdp8b fsdp8b_$p${TAG:+_$TAG} $(prec $p); done ;;
   single1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
-      with_env $p single1b single1b_$p $(prec $p); done ;;
+      with_env $p single1b single1b_$p${TAG:+_$TAG} $(prec $p); done ;;
   fsdp1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
-      with_env $p fsdp1b fsdp1b_$p $(prec $p); done ;;
+      with_env $p fsdp1b fsdp1b_$p${TAG:+_$TAG} $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
