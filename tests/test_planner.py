@@ -226,12 +226,14 @@ def test_an_undecided_auto_resharding_is_the_lean_choice():
     )
 
 
+FP8_SINGLE = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
+
+
 def _fp8_single(option: str):
     """The model, and the single-GPU fp8 set-ups without and with the precision `option`, and
     the tokens of a step."""
-    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
-    cfg, plain = _setup(*flags)
-    _, optioned = _setup(*flags, option)
+    cfg, plain = _setup(*FP8_SINGLE)
+    _, optioned = _setup(*FP8_SINGLE, option)
     return cfg.model, plain, optioned, plain.micro_batch_size * plain.seq_len
 
 
@@ -239,7 +241,6 @@ def test_fp8_lm_head_is_planned_at_the_fp8_rate():
     """precision.fp8_lm_head=true moves the head's matmuls to fp8's peak (plus its casts): the
     plan's compute drops by the head's time at bf16 less its time at fp8, nothing else."""
     machine = _no_memory_bound(datasheet_machine(H100))
-    flags = ("strategy=single", "precision=fp8", "precision.fp8_emulate=true")
     m, plain, head, tokens = _fp8_single("precision.fp8_lm_head=true")
     # what is not in the blocks' linears: the (tied) head, and the norms' few gains
     lin = m.n_layer * sp.linear_params_per_block(m)[0]
@@ -256,8 +257,8 @@ def test_fp8_lm_head_is_planned_at_the_fp8_rate():
     saved = plan_speed(m, plain, real).compute_s - plan_speed(m, head, real).compute_s
     assert saved == pytest.approx(flops / bf16 - flops / fp8 - casts, rel=1e-6)
     # a head fp8 GEMMs cannot take (vocab not a multiple of 16) stays at bf16's rate
-    cfg_odd, odd = _setup(*flags, "model.vocab_size=50300")
-    _, odd_head = _setup(*flags, "model.vocab_size=50300", "precision.fp8_lm_head=true")
+    cfg_odd, odd = _setup(*FP8_SINGLE, "model.vocab_size=50300")
+    _, odd_head = _setup(*FP8_SINGLE, "model.vocab_size=50300", "precision.fp8_lm_head=true")
     m_odd = cfg_odd.model
     assert plan_speed(m_odd, odd, real).compute_s == plan_speed(m_odd, odd_head, real).compute_s
 
