@@ -161,6 +161,16 @@ def _bf16_operands(role, m, n, k, device):
     return lambda: torch.mm(dy.t(), x)
 
 
+def _fp8_mm(a, b, sa, sb):
+    """torch._scaled_mm on e4m3 copies of the int8 operands (made once, cached on `a`)."""
+    import torch
+
+    if not hasattr(a, "_fp8"):
+        a._fp8 = (a.to(torch.float8_e4m3fn), b.t().to(torch.float8_e4m3fn).t())
+    fa, fb = a._fp8
+    return torch._scaled_mm(fa, fb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
 def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
     import torch
 
@@ -191,15 +201,22 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
 
                 tri = partial(it.int8_mm, a, b, sa, sb, torch.bfloat16)
                 res["triton_ms"] = _try(_first_then_time, ms, tri)
+                if it._tma_ok(a, b):  # the persistent TMA kernel (DTRAIN_INT8_GEMM=tma)
+                    c = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+                    sa1, sb1 = sa.reshape(-1), sb.reshape(-1).contiguous()
+                    tma = partial(it._launch_int8_mm_tma, a, b, c, sa1, sb1)
+                    res["triton_tma_ms"] = _try(_first_then_time, ms, tma)
+                # cuBLAS with 8-bit operands, row-wise scales, bf16 out: what fp8 gets
+                res["fp8_ms"] = _try(_first_then_time, ms, partial(_fp8_mm, a, b, sa, sb))
             del a, b, bf16_mm
             seen[key] = res
         res = dict(seen[key])
         flop = 2 * m * n * k
-        for v in ("bf16", "int_mm_dequant", "triton"):
+        for v in ("bf16", "int_mm_dequant", "triton", "triton_tma", "fp8"):
             t = res.get(f"{v}_ms")
             if isinstance(t, float):
                 res[f"{v}_tflops"] = flop / t / 1e9
-        for v in ("int_mm_dequant", "triton"):
+        for v in ("int_mm_dequant", "triton", "triton_tma", "fp8"):
             if isinstance(res.get(f"{v}_ms"), float) and isinstance(res.get("bf16_ms"), float):
                 res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
         out.append({**case, **res})
@@ -310,8 +327,9 @@ def part_micro(args) -> dict:
     log(f"micro: {info}")
     res = {"info": info}
     res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
-    res["linears"] = bench_linears(models, device, with_triton)
-    res["quantize"] = bench_quantize(models, device, with_triton)
+    if not args.gemms_only:
+        res["linears"] = bench_linears(models, device, with_triton)
+        res["quantize"] = bench_quantize(models, device, with_triton)
     if with_triton:
         from dtrain.lowp import int8_triton as it
 
@@ -423,8 +441,9 @@ def render(res: dict) -> str:
             "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
             "",
             "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
-            "| _int_mm vs bf16 | triton vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| triton TMA | fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 "
+            "| fp8 vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gemms:
             lines.append(
@@ -432,8 +451,12 @@ def render(res: dict) -> str:
                 f"| {_cell(g.get('bf16_ms'), g.get('bf16_tflops'))} "
                 f"| {_cell(g.get('int_mm_dequant_ms'), g.get('int_mm_dequant_tflops'))} "
                 f"| {_cell(g.get('triton_ms'), g.get('triton_tflops'))} "
+                f"| {_cell(g.get('triton_tma_ms'), g.get('triton_tma_tflops'))} "
+                f"| {_cell(g.get('fp8_ms'), g.get('fp8_tflops'))} "
                 f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
-                f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} |"
+                f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(g.get('triton_tma_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(g.get('fp8_speedup_vs_bf16'), '{:.2f}x')} |"
             )
         lines.append("")
     lins = res.get("micro", {}).get("linears", [])
@@ -518,6 +541,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     p.add_argument("--part", choices=["all", "micro", "e2e"], default="all")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and model, on CPU")
+    p.add_argument("--gemms-only", action="store_true", help="micro: the GEMMs alone")
     p.add_argument("--e2e-steps", type=int, default=40)
     p.add_argument("--e2e-runs", default=",".join(E2E_RUNS))
     p.add_argument("--e2e-timeout", type=int, default=300, help="seconds per training run")
@@ -537,6 +561,7 @@ def main() -> None:
         child = args.out / "micro.json"
         cmd = [sys.executable, __file__, "--out", str(args.out), "--micro-json", str(child)]
         cmd += ["--smoke"] if args.smoke else []
+        cmd += ["--gemms-only"] if args.gemms_only else []
         log("part 1: matmuls and quantizes")
         rc = subprocess.run(cmd, cwd=ROOT, timeout=900).returncode
         if rc == 0 and child.exists():

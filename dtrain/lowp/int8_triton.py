@@ -254,6 +254,171 @@ def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) ->
         _int8_mm_tuned[grid](*args, **flags)
 
 
+# --- the GEMM, persistent with TMA loads (Hopper) -----------------------------------------------
+
+# The same GEMM and epilogue, as a persistent kernel (one program per SM walking the tiles in the
+# grouped order) whose operand tiles come in through Hopper's tensor memory accelerator (TMA:
+# host-built descriptors, out-of-bounds reads filled with zeros, so no masks and no wrap-around).
+# TMA needs 16-byte-aligned bases and row strides (K % 16 == 0 for int8 rows): other operands
+# take the pointer kernel above.
+_TMA_TILES = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (128, 256, 128, 8, 3),
+    (256, 128, 128, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 4),
+]
+
+
+def _tma_pre_hook(nargs):
+    # Autotuning tries several tiles with the same descriptors: each config sets its own boxes.
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+_TMA_CONFIGS = [
+    triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
+        num_warps=w,
+        num_stages=st,
+        pre_hook=_tma_pre_hook,
+    )
+    for bm, bn, bk, w, st in _TMA_TILES
+]
+
+
+@triton.jit
+def _int8_mm_tma_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    stride_cn,
+    HAS_A_SCALE: tl.constexpr,
+    HAS_B_SCALE: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # (BM, BK)
+            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # (BN, BK): K-major
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        # The pointer kernel's epilogue: (float(acc) * sa) * sb, cast, masked store.
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        if HAS_A_SCALE or HAS_B_SCALE:
+            out = acc.to(tl.float32)
+            if HAS_A_SCALE:
+                sa = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
+                out = out * sa[:, None]
+            if HAS_B_SCALE:
+                sb = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
+                out = out * sb[None, :]
+        else:
+            out = acc
+        c_ptrs = (
+            c_ptr
+            + offs_m.to(tl.int64)[:, None] * stride_cm
+            + offs_n.to(tl.int64)[None, :] * stride_cn
+        )
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Which GEMM kernel int8_mm runs on large problems: "pointer" (above) or "tma" (this one);
+# GEMM_ENV sets it (A/B runs).
+GEMM_VARIANTS = ("pointer", "tma")
+GEMM_ENV = "DTRAIN_INT8_GEMM"
+GEMM = os.environ.get(GEMM_ENV, "").strip().lower() or "pointer"
+if GEMM not in GEMM_VARIANTS:
+    raise ValueError(f"{GEMM_ENV}={GEMM!r} is not valid; choose {' or '.join(GEMM_VARIANTS)}")
+
+_int8_mm_tma_tuned = triton.autotune(
+    configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs
+)(_int8_mm_tma_kernel)
+
+
+def _tma_ok(a, b) -> bool:
+    """TMA can read both operands: a row-major, b column-major, 16-byte-aligned bases and rows."""
+    bt = b.t()
+    return (
+        a.stride(1) == 1
+        and bt.stride(1) == 1
+        and a.stride(0) % 16 == 0
+        and bt.stride(0) % 16 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
+
+
+def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
+    """The persistent TMA GEMM into `out` (operands `_tma_ok`); `config` as `_launch_int8_mm`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    n = b.shape[1]
+    bt = b.t()  # (N, K) row-major
+    box = [config[0], config[2]] if config else [1, 16]  # the pre-hook sets the tuned boxes
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], box)
+    b_desc = TensorDescriptor(bt, [n, k], [bt.stride(0), 1], [config[1], config[2]] if config else box)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    dummy = out
+    args = (
+        a_desc,
+        b_desc,
+        out,
+        a_scale if a_scale is not None else dummy,
+        b_scale if b_scale is not None else dummy,
+        m,
+        n,
+        k,
+        out.stride(0),
+        out.stride(1),
+    )
+    flags = {"HAS_A_SCALE": a_scale is not None, "HAS_B_SCALE": b_scale is not None, "NUM_SMS": sms}
+
+    def grid(meta):
+        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        if config is not None:
+            bm, bn, bk, warps, stages = config
+            _int8_mm_tma_kernel[grid](
+                *args,
+                **flags,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                GROUP_M=_GROUP_M,
+                num_warps=warps,
+                num_stages=stages,
+            )
+        else:
+            _int8_mm_tma_tuned[grid](*args, **flags)
+
+
 def _check_mm(a, b, a_scale, b_scale, out_dtype) -> None:
     if a.dtype != torch.int8 or b.dtype != torch.int8 or a.dim() != 2 or b.dim() != 2:
         raise ValueError(
@@ -285,7 +450,10 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
         return out.zero_()
     sa = a_scale.reshape(-1).contiguous() if a_scale is not None else None
     sb = b_scale.reshape(-1).contiguous() if b_scale is not None else None
-    _launch_int8_mm(a, b, out, sa, sb)
+    if GEMM == "tma" and a.is_cuda and m * n * a.shape[1] >= _SMALL_WORK and _tma_ok(a, b):
+        _launch_int8_mm_tma(a, b, out, sa, sb)
+    else:
+        _launch_int8_mm(a, b, out, sa, sb)
     return out
 
 
