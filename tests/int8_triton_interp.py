@@ -55,6 +55,40 @@ def test_int8_mm_equals_int_mm(m, n, k):
         assert torch.equal(out, torch._int_mm(a, b))
 
 
+# The persistent TMA GEMM (int8_mm's pick for large problems on a GPU): K a multiple of 16 (TMA's
+# 16-byte rows) but not of the tile's 32, so the last K tile is TMA's zero fill; odd M and N.
+TMA_SHAPES = [(33, 70, 80), (1, 1, 16), (257, 129, 64), (17, 8, 304), (100, 33, 48)]
+
+
+@pytest.mark.parametrize("m,n,k", TMA_SHAPES)
+def test_tma_gemm_equals_the_exact_product(m, n, k):
+    a, b, sa, sb = _operands(m, n, k)
+    assert it._tma_ok(a, b)
+    out = torch.empty(m, n, dtype=torch.int32)
+    it._launch_int8_mm_tma(a, b, out, None, None, config=(32, 32, 32, 4, 1))
+    assert torch.equal(out, _exact(a, b))
+    out = torch.empty(m, n, dtype=torch.float32)
+    it._launch_int8_mm_tma(a, b, out, sa.reshape(-1), sb.reshape(-1), config=(32, 32, 32, 4, 1))
+    assert torch.equal(out, _exact(a, b) * sa * sb)  # the pointer kernel's epilogue, same bits
+
+
+def test_tma_needs_16_byte_rows():
+    a, b, _, _ = _operands(33, 70, 100)  # K = 100: rows of 100 bytes
+    assert not it._tma_ok(a, b)
+    a, b, _, _ = _operands(33, 70, 80)
+    assert not it._tma_ok(a, b.contiguous())  # b row-major: not K-major
+
+
+def test_a_bad_gemm_variant_is_one_line(monkeypatch):
+    monkeypatch.setenv(it.GEMM_ENV, "sideways")
+    with pytest.raises(i8.ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):
+        it.gemm_variant()
+    monkeypatch.setenv(it.GEMM_ENV, "Pointer")
+    assert it.gemm_variant() == "pointer"
+    monkeypatch.delenv(it.GEMM_ENV)
+    assert it.gemm_variant() == "tma"
+
+
 def test_int8_mm_full_scale_values_are_exact():
     a = torch.full((40, 300), -127, dtype=torch.int8)
     b = torch.full((24, 300), 127, dtype=torch.int8).t()

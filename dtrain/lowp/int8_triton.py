@@ -13,6 +13,8 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
         the same fp32 operations, in the same order, as `torch._int_mm(a, b) * sa * sb` (so
         the result is bitwise equal to the eager path), without the int32 product ever
         reaching memory. out_dtype=int32 without scales returns the integer product itself.
+        Two kernels compute it: a persistent one with TMA loads (large problems on a GPU whose
+        operands have 16-byte-aligned rows; GEMM_ENV) and one with pointer loads (the rest).
     quantize_rowwise(x, col_scale)
         x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
@@ -76,6 +78,25 @@ _SMALL_WORK = 2**30
 _SMALL = (64, 64, 64, 4, 3)
 _INTERPRET_CONFIG = (32, 32, 32, 4, 1)  # the interpreter runs tiles in numpy: keep them small
 _GROUP_M = 8
+# Which GEMM kernel int8_mm runs on large problems on a GPU: "tma" (the persistent kernel with
+# TMA loads, the default: 1.03-1.28x the pointer kernel on the nine 1b shapes, 0.95-1.35x on
+# the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/) or "pointer" (tiles
+# loaded through pointers, one program per tile). GEMM_ENV sets it (A/B runs); a bad value is
+# a ConfigError when this module loads.
+GEMM_VARIANTS = ("tma", "pointer")
+GEMM_ENV = "DTRAIN_INT8_GEMM"
+
+
+def gemm_variant() -> str:
+    v = os.environ.get(GEMM_ENV, "").strip().lower() or "tma"
+    if v not in GEMM_VARIANTS:
+        from dtrain.errors import ConfigError
+
+        raise ConfigError(f"{GEMM_ENV}={v!r} is not valid; choose {' or '.join(GEMM_VARIANTS)}")
+    return v
+
+
+GEMM = gemm_variant()
 
 
 def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
@@ -267,6 +288,13 @@ _TMA_TILES = [
     (256, 128, 128, 8, 3),
     (128, 256, 64, 8, 4),
     (128, 128, 128, 8, 4),
+    (
+        128,
+        128,
+        64,
+        4,
+        5,
+    ),  # the pointer kernel's pick for 8b's w2 (where TMA's four were 3-5% slower)
 ]
 
 
@@ -347,17 +375,9 @@ def _int8_mm_tma_kernel(
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Which GEMM kernel int8_mm runs on large problems: "pointer" (above) or "tma" (this one);
-# GEMM_ENV sets it (A/B runs).
-GEMM_VARIANTS = ("pointer", "tma")
-GEMM_ENV = "DTRAIN_INT8_GEMM"
-GEMM = os.environ.get(GEMM_ENV, "").strip().lower() or "pointer"
-if GEMM not in GEMM_VARIANTS:
-    raise ValueError(f"{GEMM_ENV}={GEMM!r} is not valid; choose {' or '.join(GEMM_VARIANTS)}")
-
-_int8_mm_tma_tuned = triton.autotune(
-    configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs
-)(_int8_mm_tma_kernel)
+_int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs)(
+    _int8_mm_tma_kernel
+)
 
 
 def _tma_ok(a, b) -> bool:
@@ -382,7 +402,9 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
     bt = b.t()  # (N, K) row-major
     box = [config[0], config[2]] if config else [1, 16]  # the pre-hook sets the tuned boxes
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], box)
-    b_desc = TensorDescriptor(bt, [n, k], [bt.stride(0), 1], [config[1], config[2]] if config else box)
+    b_desc = TensorDescriptor(
+        bt, [n, k], [bt.stride(0), 1], [config[1], config[2]] if config else box
+    )
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     dummy = out
     args = (

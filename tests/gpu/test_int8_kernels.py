@@ -89,6 +89,45 @@ def test_every_tuned_config_is_exact(it, i):
         assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (m, n, k)
 
 
+@pytest.mark.parametrize("i", range(5))
+def test_every_tma_config_is_exact(it, i):
+    """The persistent TMA GEMM, each config it may be tuned to: M, N off the tiles; K = 1024
+    (whole tiles) and 1040 (a multiple of 16, not of the tile: the last tile is TMA's zeros)."""
+    assert len(it._TMA_TILES) == 5  # the parametrization above counts them
+    config = it._TMA_TILES[i]
+    for m, n, k in [(2048 + 64, 1024 + 48, 1024), (1000, 520, 1040)]:
+        a, b, sa, sb = _operands(m, n, k)
+        assert it._tma_ok(a, b)
+        out = torch.empty(m, n, dtype=torch.int32, device="cuda")
+        it._launch_int8_mm_tma(a, b, out, None, None, config=config)
+        assert torch.equal(out, i8.int_mm(a, b)), (config, m, n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        it._launch_int8_mm_tma(a, b, out, sa.reshape(-1), sb.reshape(-1), config=config)
+        assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (config, m, n, k)
+
+
+def test_large_problems_take_the_tma_gemm(it, monkeypatch):
+    """int8_mm's dispatch: TMA (the default) for large problems with 16-byte rows, the pointer
+    kernel where TMA cannot read the operands (K = 1000) or DTRAIN_INT8_GEMM=pointer says so."""
+    took = []
+    tma, ptr = it._launch_int8_mm_tma, it._launch_int8_mm
+    monkeypatch.setattr(
+        it, "_launch_int8_mm_tma", lambda *a, **k: took.append("tma") or tma(*a, **k)
+    )
+    monkeypatch.setattr(it, "_launch_int8_mm", lambda *a, **k: took.append("ptr") or ptr(*a, **k))
+    assert it.GEMM == "tma"
+    for (m, n, k), want in [((2048, 2048, 1024), "tma"), ((2048, 2048, 1000), "ptr")]:
+        a, b, _, _ = _operands(m, n, k)
+        took.clear()
+        assert torch.equal(it.int8_mm(a, b, None, None, torch.int32), i8.int_mm(a, b))
+        assert took == [want], (m, n, k, took)
+    monkeypatch.setattr(it, "GEMM", "pointer")
+    a, b, _, _ = _operands(2048, 2048, 1024)
+    took.clear()
+    it.int8_mm(a, b, None, None, torch.int32)
+    assert took == ["ptr"]
+
+
 def test_int8_mm_full_scale_values_are_exact(it):
     a = torch.full((256, 4096), -127, dtype=torch.int8, device="cuda")
     b = torch.full((384, 4096), 127, dtype=torch.int8, device="cuda").t()
