@@ -89,11 +89,11 @@ def test_every_tuned_config_is_exact(it, i):
         assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (m, n, k)
 
 
-@pytest.mark.parametrize("i", range(5))
+@pytest.mark.parametrize("i", range(3))
 def test_every_tma_config_is_exact(it, i):
     """The persistent TMA GEMM, each config it may be tuned to: M, N off the tiles; K = 1024
     (whole tiles) and 1040 (a multiple of 16, not of the tile: the last tile is TMA's zeros)."""
-    assert len(it._TMA_TILES) == 5  # the parametrization above counts them
+    assert len(it._TMA_TILES) == 3  # the parametrization above counts them
     config = it._TMA_TILES[i]
     for m, n, k in [(2048 + 64, 1024 + 48, 1024), (1000, 520, 1040)]:
         a, b, sa, sb = _operands(m, n, k)
