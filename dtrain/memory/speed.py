@@ -96,10 +96,12 @@ class QuantSpeed:
 QUANT_SPEED = {
     # torchao float8 tensorwise: all three matmuls in fp8; fitted to 1b on one H200 (1.21x bf16)
     "fp8": QuantSpeed("fp8", efficiency=0.93, cast_passes=3.0),
-    # dtrain's int8 on Hopper's Triton GEMMs: ~1.1 POP/s where bf16 torch.mm runs ~750 TFLOP/s
-    # (bench/results/2026-11-27-int8), so 0.74 of the bf16 share of peak; grad-weight in bf16
-    # (SwitchBack) unless precision.int8_grad_weight=int8.
-    "int8": QuantSpeed("int8", efficiency=0.74, cast_passes=3.0, share=2 / 3),
+    # dtrain's int8 on Hopper's Triton GEMMs: the persistent TMA kernel ran model=1b's forward
+    # and grad-input GEMMs (weighted by how often a block runs each) 1.588x bf16 torch.mm, so
+    # 0.79 of the bf16 share of the int8 peak (twice bf16's); 8b's 1.722x, 0.86
+    # (bench/results/2026-12-01-gpu-s25/call2_gemms_tma; the pointer kernel before it: 1b
+    # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight=int8.
+    "int8": QuantSpeed("int8", efficiency=0.79, cast_passes=3.0, share=2 / 3),
     # torchao's module swap (the reference): 0.34x bf16 under fsdp (docs/benchmarks.md).
     "int8-torchao": QuantSpeed("int8", efficiency=0.2, cast_passes=6.0),
 }
