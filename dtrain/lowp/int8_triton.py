@@ -119,6 +119,56 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _grouped_tile(
+    tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+):
+    """(pid_m, pid_n) of the tile_id-th tile in grouped order: GROUP_M tile-rows share the same
+    B columns while they are in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dequantize_store(
+    acc,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_cm,
+    stride_cn,
+    HAS_A_SCALE: tl.constexpr,
+    HAS_B_SCALE: tl.constexpr,
+):
+    """The epilogue: dequantize in fp32 exactly as eager does, (float(acc) * sa) * sb, then cast
+    and store the rows and columns inside (M, N)."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if HAS_A_SCALE or HAS_B_SCALE:
+        out = acc.to(tl.float32)
+        if HAS_A_SCALE:
+            sa = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
+            out = out * sa[:, None]
+        if HAS_B_SCALE:
+            sb = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
+            out = out * sb[None, :]
+    else:
+        out = acc
+    c_ptrs = (
+        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    )
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _int8_mm_kernel(
     a_ptr,
     b_ptr,
@@ -142,16 +192,7 @@ def _int8_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M tile-rows share the same B columns while they are in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,23 +217,20 @@ def _int8_mm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue: dequantize in fp32 exactly as eager does, (float(acc) * sa) * sb, then cast.
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    if HAS_A_SCALE or HAS_B_SCALE:
-        out = acc.to(tl.float32)
-        if HAS_A_SCALE:
-            sa = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
-            out = out * sa[:, None]
-        if HAS_B_SCALE:
-            sb = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
-            out = out * sb[None, :]
-    else:
-        out = acc
-    c_ptrs = (
-        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    _dequantize_store(
+        acc,
+        c_ptr,
+        a_scale_ptr,
+        b_scale_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_cm,
+        stride_cn,
+        HAS_A_SCALE,
+        HAS_B_SCALE,
     )
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _bench_or_skip(kernel_call, quantiles):
@@ -252,27 +290,25 @@ def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) ->
         "HAS_B_SCALE": b_scale is not None,
         "EVEN_K": k % 128 == 0,
     }
-    if INTERPRET or config is not None:
-        bm, bn, bk, warps, stages = _INTERPRET_CONFIG if INTERPRET else config
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-            _int8_mm_kernel[grid](
-                *args,
-                **flags,
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                BLOCK_K=bk,
-                GROUP_M=_GROUP_M,
-                num_warps=warps,
-                num_stages=stages,
-            )
-        return
+    if INTERPRET:
+        config = _INTERPRET_CONFIG
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    with torch.cuda.device(a.device):
-        _int8_mm_tuned[grid](*args, **flags)
+    _run(_int8_mm_kernel, _int8_mm_tuned, grid, args, flags, config, a.device)
+
+
+def _run(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None:
+    """kernel[grid](*args) with `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
+    or the autotuned `tuned` when config is None, on `device` (CUDA, or the interpreter's CPU)."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if config is None:
+            tuned[grid](*args, **flags)
+            return
+        bm, bn, bk, warps, stages = config
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M}
+        kernel[grid(meta)](*args, **flags, **meta, num_warps=warps, num_stages=stages)
 
 
 # --- the GEMM, persistent with TMA loads (Hopper) -----------------------------------------------
@@ -332,43 +368,31 @@ def _int8_mm_tma_kernel(
     GROUP_M: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (tile_id % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # (BM, BK)
             b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # (BN, BK): K-major
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        # The pointer kernel's epilogue: (float(acc) * sa) * sb, cast, masked store.
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        if HAS_A_SCALE or HAS_B_SCALE:
-            out = acc.to(tl.float32)
-            if HAS_A_SCALE:
-                sa = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
-                out = out * sa[:, None]
-            if HAS_B_SCALE:
-                sb = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
-                out = out * sb[None, :]
-        else:
-            out = acc
-        c_ptrs = (
-            c_ptr
-            + offs_m.to(tl.int64)[:, None] * stride_cm
-            + offs_n.to(tl.int64)[None, :] * stride_cn
+        _dequantize_store(
+            acc,
+            c_ptr,
+            a_scale_ptr,
+            b_scale_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            stride_cm,
+            stride_cn,
+            HAS_A_SCALE,
+            HAS_B_SCALE,
         )
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs)(
@@ -420,21 +444,7 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
     def grid(meta):
         return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
-    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        if config is not None:
-            bm, bn, bk, warps, stages = config
-            _int8_mm_tma_kernel[grid](
-                *args,
-                **flags,
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                BLOCK_K=bk,
-                GROUP_M=_GROUP_M,
-                num_warps=warps,
-                num_stages=stages,
-            )
-        else:
-            _int8_mm_tma_tuned[grid](*args, **flags)
+    _run(_int8_mm_tma_kernel, _int8_mm_tma_tuned, grid, args, flags, config, a.device)
 
 
 def _check_mm(a, b, a_scale, b_scale, out_dtype) -> None:
