@@ -79,6 +79,16 @@ def test_tma_needs_16_byte_rows():
     assert not it._tma_ok(a, b.contiguous())  # b row-major: not K-major
 
 
+def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
+    """Compute capability 9.0+ has TMA; an A100 forced onto the Triton kernels takes the pointer
+    kernel (the TMA one would not compile there)."""
+    for cap, want in [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert it._has_tma(torch.device("cuda", 0)) is want, cap
+    a, b, _, _ = _operands(64, 64, 64)
+    assert not it._takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
+
+
 def test_a_bad_gemm_variant_is_one_line(monkeypatch):
     monkeypatch.setenv(it.GEMM_ENV, "sideways")
     with pytest.raises(i8.ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):

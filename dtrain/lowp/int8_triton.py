@@ -413,6 +413,26 @@ def _tma_ok(a, b) -> bool:
     )
 
 
+def _has_tma(device: torch.device) -> bool:
+    """Compute capability 9.0+ (Hopper): the GPUs with a tensor memory accelerator. The Triton
+    kernels can be forced onto older GPUs (DTRAIN_INT8_KERNEL=triton), where only the pointer
+    kernel compiles."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _takes_tma(a, b) -> bool:
+    """Whether int8_mm runs the persistent TMA kernel: GEMM says so, a large problem on a GPU
+    with TMA, operands TMA can read."""
+    m, k = a.shape
+    return (
+        GEMM == "tma"
+        and a.is_cuda
+        and m * b.shape[1] * k >= _SMALL_WORK
+        and _has_tma(a.device)
+        and _tma_ok(a, b)
+    )
+
+
 def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
     """The persistent TMA GEMM into `out` (operands `_tma_ok`); `config` as `_launch_int8_mm`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -478,7 +498,7 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
         return out.zero_()
     sa = a_scale.reshape(-1).contiguous() if a_scale is not None else None
     sb = b_scale.reshape(-1).contiguous() if b_scale is not None else None
-    if GEMM == "tma" and a.is_cuda and m * n * a.shape[1] >= _SMALL_WORK and _tma_ok(a, b):
+    if _takes_tma(a, b):
         _launch_int8_mm_tma(a, b, out, sa, sb)
     else:
         _launch_int8_mm(a, b, out, sa, sb)
