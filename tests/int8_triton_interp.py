@@ -11,6 +11,7 @@ bit in tests/gpu/test_int8_kernels.py.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -87,6 +88,19 @@ def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
         assert it._has_tma(torch.device("cuda", 0)) is want, cap
     a, b, _, _ = _operands(64, 64, 64)
     assert not it._takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
+
+
+def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(it, "GEMM", "pointer")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+    lines = [r.getMessage() for r in caplog.records if "int8 GEMMs" in r.getMessage()]
+    assert lines == ["int8 GEMMs: the pointer-load kernel, not the TMA one (DTRAIN_INT8_GEMM)"]
+    caplog.clear()
+    monkeypatch.setattr(it, "GEMM", "tma")  # the default says nothing
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+    assert not [r for r in caplog.records if "int8 GEMMs" in r.getMessage()]
 
 
 def test_a_bad_gemm_variant_is_one_line(monkeypatch):

@@ -397,7 +397,9 @@ def apply_int8(
     quantize = quantize_mode()
     quantize = quantize if kernel == "triton" else "fused"
     if kernel == "triton":
-        _triton_ops()  # import (and register the ops) now, not inside a compiled region
+        ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
+        if ops.GEMM != "tma":
+            log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
         if quantize == "apart":
             log.info("int8 quantizes: the Triton op, apart from their producers (%s)", QUANTIZE_ENV)
     n = 0
