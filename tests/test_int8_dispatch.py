@@ -5,6 +5,7 @@ CUDA device), DTRAIN_INT8_KERNEL forcing either, one log line naming the choice 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,8 +35,10 @@ def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3", trito
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(i8, "_triton_installed", lambda: triton)
-    # Importing the kernels needs triton; CI may not have it, and nothing here launches them.
-    monkeypatch.setattr(i8, "_triton_ops", lambda: None)
+    # Importing the kernels needs triton; CI may not have it, and nothing here launches them:
+    # what apply_int8 reads of the module stands in for it (the default GEMM).
+    ops = SimpleNamespace(GEMM="tma", GEMM_ENV="DTRAIN_INT8_GEMM")
+    monkeypatch.setattr(i8, "_triton_ops", lambda: ops)
 
 
 def _kernels(model: nn.Module) -> set[str]:
@@ -120,6 +123,13 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
         model = swapped()
     assert placements(model) == {"apart"} and "quantize=apart" in repr(model[0])
     assert any("int8 quantizes: the Triton op, apart" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(i8.QUANTIZE_ENV, "backward")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert placements(swapped()) == {"backward"}
+    assert any(
+        "int8 quantizes in the backward: the Triton op" in r.getMessage() for r in caplog.records
+    )
     # torch._int_mm has no quantize op of its own: the choice does not apply to it
     assert placements(swapped(kernel="torch")) == {"fused"}
     monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")

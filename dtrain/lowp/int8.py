@@ -48,7 +48,8 @@ are swapped and logged in one line):
               CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
 
 DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
-DTRAIN_INT8_QUANTIZE=fused|apart (default fused) says where the quantizes run under compile.
+DTRAIN_INT8_QUANTIZE=fused|apart|backward (default fused) says where the quantizes run under
+compile (backward: the gradients' and transposed weights' apart, the forward's fused).
 """
 
 from __future__ import annotations
@@ -87,8 +88,12 @@ KERNEL_ENV = "DTRAIN_INT8_KERNEL"
 # its own). QUANTIZE_ENV sets it, for A/B runs: in the ninth session's 1b trace the fusion turned
 # pointwise producers into row reductions (the SwiGLU backward with w1's and w3's gradient
 # quantize took 0.72 ms a block, 0.22 ms without it), which "apart" leaves pointwise at the cost
-# of one more read of each quantized tensor.
-QUANTIZE_MODES = ("fused", "apart")
+# of one more read of each quantized tensor. "backward" keeps only the backward's quantizes
+# apart: there the producers (the SwiGLU and RoPE backward) write their bf16 gradients anyway,
+# for SwitchBack's grad-weight, while in the forward the norms' quantizes fuse almost free
+# (6.6 ms a step against 6.3 without them) and "apart" measured 0.87x bf16's peak reserved
+# against 0.79x (thirteenth session).
+QUANTIZE_MODES = ("fused", "apart", "backward")
 QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
 # Triton's interpreter runs the Triton kernels on CPU tensors (CPU tests of the kernels).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -268,7 +273,8 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, apart):
+    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, quantize):
+        apart = quantize == "apart"
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         xq, xs = _quantize(x2, kernel, apart=apart)  # (M, K) int8, (M, 1)
@@ -280,7 +286,7 @@ class _Int8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
-        ctx.apart = apart
+        ctx.apart = quantize in ("apart", "backward")  # the backward's quantizes
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -334,7 +340,8 @@ def int8_linear(
     `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
     compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
     (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
-    under torch.compile with "triton", "fused" into the producer or "apart" (QUANTIZE_MODES).
+    under torch.compile with "triton", "fused" into the producer, "apart", or apart in the
+    backward only ("backward"; QUANTIZE_MODES).
     """
     _check_grad_weight(grad_weight)
     _check_kernel(kernel)
@@ -342,8 +349,7 @@ def int8_linear(
         raise ValueError(f"quantize={quantize!r}; choose one of {QUANTIZE_MODES}")
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    apart = quantize == "apart"
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel, apart)
+    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel, quantize)
 
 
 class Int8Linear(nn.Linear):
@@ -400,8 +406,13 @@ def apply_int8(
         ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
         if ops.GEMM != "tma":
             log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
-        if quantize == "apart":
-            log.info("int8 quantizes: the Triton op, apart from their producers (%s)", QUANTIZE_ENV)
+        if quantize != "fused":
+            where = "" if quantize == "apart" else " in the backward"
+            log.info(
+                "int8 quantizes%s: the Triton op, apart from their producers (%s)",
+                where,
+                QUANTIZE_ENV,
+            )
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
