@@ -258,11 +258,6 @@ _int8_mm_tuned = triton.autotune(
 )(_int8_mm_kernel)
 
 
-def tuned_configs() -> dict:
-    """{(M, N, K, dtypes...): the config autotuning chose} so far in this process."""
-    return {k: str(v) for k, v in getattr(_int8_mm_tuned, "cache", {}).items()}
-
-
 def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
     """Run the GEMM into `out`: autotuned, or with `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps, num_stages) (tests check every tuned config; the interpreter uses a small one)."""
@@ -398,6 +393,15 @@ def _int8_mm_tma_kernel(
 _int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs)(
     _int8_mm_tma_kernel
 )
+
+
+def tuned_configs() -> dict:
+    """{"pointer" or "tma": {(M, N, K, dtypes...): the config autotuning chose}} so far in this
+    process, for each GEMM kernel."""
+    return {
+        name: {k: str(v) for k, v in getattr(tuned, "cache", {}).items()}
+        for name, tuned in (("pointer", _int8_mm_tuned), ("tma", _int8_mm_tma_tuned))
+    }
 
 
 def _tma_ok(a, b) -> bool:
