@@ -444,11 +444,12 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
     m, k = a.shape
     n = b.shape[1]
     bt = b.t()  # (N, K) row-major
-    box = [config[0], config[2]] if config else [1, 16]  # the pre-hook sets the tuned boxes
+    box = [1, 16]  # a placeholder: _tma_pre_hook sets each config's boxes
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], box)
-    b_desc = TensorDescriptor(
-        bt, [n, k], [bt.stride(0), 1], [config[1], config[2]] if config else box
-    )
+    b_desc = TensorDescriptor(bt, [n, k], [bt.stride(0), 1], box)
+    if config is not None:  # a fixed config runs without the autotuner that calls the hook
+        tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), config[:3], strict=True))
+        _tma_pre_hook({"a_desc": a_desc, "b_desc": b_desc, **tiles})
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     dummy = out
     args = (
