@@ -93,3 +93,15 @@ def test_host_time_is_the_union_of_each_threads_events_with_names_by_inclusive_t
     assert names["train.py(80): one_step"] == pytest.approx((2.45, 0.5))
     md = host_markdown(threads, top=5)
     assert "Host thread 1: busy 0.9 ms per step" in md and "| `FSDP::pre_forward` | 0.8 | 1 |" in md
+
+
+def test_kinds_count_dtrain_int8_gemms_as_matmuls():
+    """The Triton int8 GEMMs are matmuls; Inductor's quantize kernels named after the op whose
+    input they produce stay Inductor's."""
+    from trace_summary import kind
+
+    assert kind("_int8_mm_tma_kernel") == "matmul"
+    assert kind("_int8_mm_kernel") == "matmul"
+    name = "triton_red_fused__to_copy_abs_amax_clamp_clamp_min_clone_div_int8_mm_mul_round_silu_t"
+    assert kind(name) == "inductor (fused)"
+    assert kind("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "matmul"

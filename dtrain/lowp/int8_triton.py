@@ -314,13 +314,18 @@ def _run(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None
 # TMA needs 16-byte-aligned bases and row strides (K % 16 == 0 for int8 rows): other operands
 # take the pointer kernel above.
 _TMA_TILES = [
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The pointer kernel's 128x256 and
-    # 256x128 tiles with BLOCK_K 128 and 3 stages need 278,552 bytes of shared memory here (the
-    # epilogue's staging comes on top of the operand stages), over the H200's 232,448:
-    # autotuning skipped them, the GPU tests found it, and they are left out.
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The first two, BLOCK_K 128 with 3
+    # stages, are the fastest at 1b's and 8b's shapes, but their epilogue's staging in shared
+    # memory comes on top of the operand stages: with a 4-byte output (int32, unscaled) they
+    # need 278,552 bytes, over the H200's 232,448. Autotuning times such a config as infinite
+    # (`_bench_or_skip`) and picks among the rest; with bf16 outputs, what training writes,
+    # they fit. Leaving them out (f3595b7) made 17 of the 21 1b and 8b GEMMs 11-23% slower
+    # (bench/results/2026-12-01-gpu-s26/: w2's forward at 1b 0.364 against 0.306 ms, one call).
+    (128, 256, 128, 8, 3),
+    (256, 128, 128, 8, 3),
     (128, 256, 64, 8, 4),
     (128, 128, 128, 8, 4),
-    # The pointer kernel's pick for 8b's w2, where the two above were 3-5% slower than it.
+    # The pointer kernel's pick for 8b's w2, where the four above were 3-5% slower than it.
     (128, 128, 64, 4, 5),
 ]
 
