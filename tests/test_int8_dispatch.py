@@ -25,6 +25,7 @@ CUDA = torch.device("cuda", 0)
 def _clean(monkeypatch):
     monkeypatch.delenv(i8.KERNEL_ENV, raising=False)
     monkeypatch.delenv(i8.QUANTIZE_ENV, raising=False)
+    monkeypatch.delenv(i8.GRAD_INPUT_ENV, raising=False)
     monkeypatch.setattr(i8, "_LOGGED", set())  # each test sees its own first log line
 
 
@@ -138,6 +139,34 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
             swapped(kernel=kernel)
     with pytest.raises(ValueError, match="quantize='sideways'"):
         i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), quantize="sideways")
+
+
+def test_grad_input_dtype_is_read_once_said_once_and_checked(monkeypatch, caplog):
+    """DTRAIN_INT8_GRAD_INPUT: unset, every swapped layer writes grad-input in its input's
+    dtype; `compute` sets them all to the compute dtype, for either kernels, and says so; a bad
+    value stops the swap with one line naming the choices."""
+
+    def swapped(kernel=None) -> nn.Module:
+        model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+        i8.apply_int8(model, lambda m, n: True, kernel=kernel)
+        return model
+
+    assert {m.grad_input for m in swapped()} == {"input"}
+    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "Compute ")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        model = swapped()
+    assert {m.grad_input for m in model} == {"compute"} and "grad_input=compute" in repr(model[0])
+    said = [r.getMessage() for r in caplog.records if "int8 grad-input" in r.getMessage()]
+    assert said == [
+        "int8 grad-input: written in the compute dtype, then cast (DTRAIN_INT8_GRAD_INPUT)"
+    ]
+    fake_gpu(monkeypatch)
+    assert {m.grad_input for m in swapped(kernel="triton")} == {"compute"}
+    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "sideways")
+    with pytest.raises(
+        ConfigError, match="DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose input or compute"
+    ):
+        swapped()
 
 
 def test_a_triton_layer_given_cpu_tensors_computes_the_portable_path(monkeypatch):

@@ -50,6 +50,8 @@ are swapped and logged in one line):
 DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
 DTRAIN_INT8_QUANTIZE=fused|apart|backward (default fused) says where the quantizes run under
 compile (backward: the gradients' and transposed weights' apart, the forward's fused).
+DTRAIN_INT8_GRAD_INPUT=input|compute (default input): the dtype the grad-input GEMM writes for
+an input wider than the compute dtype (compute: bf16, then cast, as autocast's linear does).
 """
 
 from __future__ import annotations
@@ -95,6 +97,15 @@ KERNEL_ENV = "DTRAIN_INT8_KERNEL"
 # against 0.79x (thirteenth session).
 QUANTIZE_MODES = ("fused", "apart", "backward")
 QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
+# The dtype the grad-input GEMM writes when the input is wider than the compute dtype (the
+# residual stream is fp32, so q, k, v, w1 and w3 take fp32 inputs under bf16 autocast):
+# "input" writes the input's dtype (fp32) from the epilogue; "compute" writes the compute dtype
+# (bf16) and casts, which is what autocast's bf16 linear does (its grad-input is a bf16 matmul,
+# cast to fp32 by the backward of autocast's cast). "compute" halves the epilogue's writes and
+# lets the TMA GEMM's BLOCK_K 128 tiles fit (a 4-byte output may not: int8_triton._TMA_TILES);
+# GRAD_INPUT_ENV sets it, for the A/B run that decides the default (not measured yet).
+GRAD_INPUT_MODES = ("input", "compute")
+GRAD_INPUT_ENV = "DTRAIN_INT8_GRAD_INPUT"
 # Triton's interpreter runs the Triton kernels on CPU tensors (CPU tests of the kernels).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -229,6 +240,16 @@ def quantize_mode() -> str:
     return mode
 
 
+def grad_input_mode() -> str:
+    """GRAD_INPUT_ENV's choice ("input" when unset); a bad value is a ConfigError naming both."""
+    mode = os.environ.get(GRAD_INPUT_ENV, "").strip().lower() or "input"
+    if mode not in GRAD_INPUT_MODES:
+        raise ConfigError(
+            f"{GRAD_INPUT_ENV}={mode!r} is not valid; choose {' or '.join(GRAD_INPUT_MODES)}"
+        )
+    return mode
+
+
 def _quantize(
     x: torch.Tensor, kernel: str, col_scale: torch.Tensor | None = None, apart: bool = False
 ):
@@ -273,7 +294,7 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, quantize):
+    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, quantize, grad_input):
         apart = quantize == "apart"
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
@@ -287,6 +308,7 @@ class _Int8LinearFn(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
         ctx.apart = quantize in ("apart", "backward")  # the backward's quantizes
+        ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -298,8 +320,8 @@ class _Int8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq, gs = _quantize(g, kernel, apart=apart)  # per token, over N
             wtq, wts = _quantize(weight.t(), kernel, apart=apart)  # (K, N): per input channel
-            grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.x_dtype, kernel)
-            grad_x = grad_x.view(ctx.x_shape)
+            grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.grad_x_dtype, kernel)
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
             # Fold the per-token input scales into dy (see the module docstring), then
             # quantize per output channel over the tokens: (N, M) int8, (N, 1).
@@ -313,7 +335,7 @@ class _Int8LinearFn(torch.autograd.Function):
             grad_w = torch.mm(g.to(ctx.out_dtype).t(), x_deq).to(weight.dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _check_grad_weight(grad_weight: str) -> None:
@@ -334,6 +356,7 @@ def int8_linear(
     grad_weight: str = "int8",
     kernel: str = "torch",
     quantize: str = "fused",
+    grad_input: str = "input",
 ) -> torch.Tensor:
     """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
 
@@ -341,15 +364,20 @@ def int8_linear(
     compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
     (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
     under torch.compile with "triton", "fused" into the producer, "apart", or apart in the
-    backward only ("backward"; QUANTIZE_MODES).
+    backward only ("backward"; QUANTIZE_MODES). `grad_input`: the dtype grad-input's GEMM
+    writes for an input wider than the compute dtype, the input's ("input") or the compute
+    dtype's, then cast ("compute"; GRAD_INPUT_MODES).
     """
     _check_grad_weight(grad_weight)
     _check_kernel(kernel)
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize={quantize!r}; choose one of {QUANTIZE_MODES}")
+    if grad_input not in GRAD_INPUT_MODES:
+        raise ValueError(f"grad_input={grad_input!r}; choose one of {GRAD_INPUT_MODES}")
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype, grad_weight == "int8", kernel, quantize)
+    int8_gw = grad_weight == "int8"
+    return _Int8LinearFn.apply(x, weight, bias, out_dtype, int8_gw, kernel, quantize, grad_input)
 
 
 class Int8Linear(nn.Linear):
@@ -361,6 +389,7 @@ class Int8Linear(nn.Linear):
     grad_weight: str = "int8"
     kernel: str = "torch"
     quantize: str = "fused"
+    grad_input: str = "input"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(
@@ -370,12 +399,13 @@ class Int8Linear(nn.Linear):
             grad_weight=self.grad_weight,
             kernel=self.kernel,
             quantize=self.quantize,
+            grad_input=self.grad_input,
         )
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, grad_weight={self.grad_weight}, kernel={self.kernel}, "
-            f"quantize={self.quantize}"
+            f"quantize={self.quantize}, grad_input={self.grad_input}"
         )
 
 
@@ -402,6 +432,9 @@ def apply_int8(
     # kernels have a quantize op to keep apart.
     quantize = quantize_mode()
     quantize = quantize if kernel == "triton" else "fused"
+    grad_input = grad_input_mode()
+    if grad_input != "input":
+        log.info("int8 grad-input: written in the compute dtype, then cast (%s)", GRAD_INPUT_ENV)
     if kernel == "triton":
         ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
         if ops.GEMM != "tma":
@@ -420,5 +453,6 @@ def apply_int8(
             m.grad_weight = grad_weight
             m.kernel = kernel
             m.quantize = quantize
+            m.grad_input = grad_input
             n += 1
     return n

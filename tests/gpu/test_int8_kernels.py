@@ -239,8 +239,10 @@ def _train(model, steps=3, compile=False):
     return losses, first
 
 
+@pytest.mark.parametrize("grad_input", ["input", "compute"])
 @pytest.mark.parametrize("grad_weight", ["bf16", "int8"])
-def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight):
+def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight, grad_input, monkeypatch):
+    monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)  # the fp32 input's gradient: bf16 GEMM?
     ref, tri = _mlp(), _mlp()
     i8.apply_int8(ref, lambda m, n: True, grad_weight=grad_weight, kernel="torch")
     i8.apply_int8(tri, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
