@@ -250,14 +250,14 @@ def test_long_reductions_are_chunked_as_the_portable_path_does(monkeypatch):
     assert torch.equal(got, exact)
 
 
-@pytest.mark.parametrize("quantize", ["fused", "apart", "backward"])
+@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
 @pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
 def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkeypatch):
     """fullgraph=True: the custom ops (opaque to Dynamo, with fake implementations) break no
     graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
     compiled step's gradients are the eager Triton path's. DTRAIN_INT8_QUANTIZE=apart keeps
-    every quantize as the Triton op, =backward those of the backward; by default Inductor gets
-    them to fuse."""
+    every quantize as the Triton op, =backward those of the backward, =gradients those of dy
+    (not the transposed weights'); by default Inductor gets them to fuse."""
     monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -288,7 +288,8 @@ def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkey
     # forward; dy and W^T backward (+ dy^T for an int8 grad_weight).
     n_fw = 4 if quantize == "apart" else 0
     assert fw.count("torch.ops.dtrain.int8_quantize_rowwise") == n_fw, fw
-    n_bw_q = 0 if quantize == "fused" else 2 * (n_bw + 1)
+    # per layer: dy (+ dy^T for an int8 grad_weight), and W^T unless only dy's are apart
+    n_bw_q = {"fused": 0, "gradients": 2 * n_bw}.get(quantize, 2 * (n_bw + 1))
     assert bw.count("torch.ops.dtrain.int8_quantize_rowwise") == n_bw_q, bw
     assert all(m.quantize == quantize for m in model if isinstance(m, i8.Int8Linear))
     grads = [p.grad.clone() for p in model.parameters()]

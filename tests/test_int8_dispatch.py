@@ -131,6 +131,11 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
     assert any(
         "int8 quantizes in the backward: the Triton op" in r.getMessage() for r in caplog.records
     )
+    monkeypatch.setenv(i8.QUANTIZE_ENV, "gradients")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert placements(swapped()) == {"gradients"}
+    assert any("int8 quantizes of dy: the Triton op" in r.getMessage() for r in caplog.records)
     # torch._int_mm has no quantize op of its own: the choice does not apply to it
     assert placements(swapped(kernel="torch")) == {"fused"}
     monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")

@@ -48,8 +48,9 @@ are swapped and logged in one line):
               CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
 
 DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
-DTRAIN_INT8_QUANTIZE=fused|apart|backward (default fused) says where the quantizes run under
-compile (backward: the gradients' and transposed weights' apart, the forward's fused).
+DTRAIN_INT8_QUANTIZE=fused|apart|backward|gradients (default fused) says where the quantizes
+run under compile (backward: the gradients' and transposed weights' apart, the forward's fused;
+gradients: only the output gradients' apart).
 DTRAIN_INT8_GRAD_INPUT=input|compute (default input): the dtype the grad-input GEMM writes for
 an input wider than the compute dtype (compute: bf16, then cast, as autocast's linear does).
 """
@@ -95,7 +96,11 @@ KERNEL_ENV = "DTRAIN_INT8_KERNEL"
 # for SwitchBack's grad-weight, while in the forward the norms' quantizes fuse almost free
 # (6.6 ms a step against 6.3 without them) and "apart" measured 0.87x bf16's peak reserved
 # against 0.79x (thirteenth session).
-QUANTIZE_MODES = ("fused", "apart", "backward")
+# "gradients" keeps only the output gradients' quantizes apart, the transposed weights' fused:
+# "backward" measured no faster than "fused" (1.010x bf16 against 1.003-1.012x, twenty-sixth
+# session), and the A/B of the two says whether the weights' quantizes as the Triton op (rows
+# strided in memory: the transposed fp32 weight) took back what the gradients' gained.
+QUANTIZE_MODES = ("fused", "apart", "backward", "gradients")
 QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
 # The dtype the grad-input GEMM writes when the input is wider than the compute dtype (the
 # residual stream is fp32, so q, k, v, w1 and w3 take fp32 inputs under bf16 autocast):
@@ -307,7 +312,8 @@ class _Int8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
-        ctx.apart = quantize in ("apart", "backward")  # the backward's quantizes
+        ctx.apart_g = quantize in ("apart", "backward", "gradients")  # dy's quantizes
+        ctx.apart_w = quantize in ("apart", "backward")  # the transposed weight's
         ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
@@ -315,17 +321,17 @@ class _Int8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         xq, xs, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        kernel, apart = ctx.kernel, ctx.apart
+        kernel, apart_g = ctx.kernel, ctx.apart_g
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gq, gs = _quantize(g, kernel, apart=apart)  # per token, over N
-            wtq, wts = _quantize(weight.t(), kernel, apart=apart)  # (K, N): per input channel
+            gq, gs = _quantize(g, kernel, apart=apart_g)  # per token, over N
+            wtq, wts = _quantize(weight.t(), kernel, apart=ctx.apart_w)  # (K, N): per in-channel
             grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.grad_x_dtype, kernel)
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
             # Fold the per-token input scales into dy (see the module docstring), then
             # quantize per output channel over the tokens: (N, M) int8, (N, 1).
-            gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart)
+            gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart_g)
             xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
             grad_w = _scaled_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype, kernel)  # (N, K)
         elif ctx.needs_input_grad[1]:
@@ -363,10 +369,10 @@ def int8_linear(
     `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
     compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
     (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
-    under torch.compile with "triton", "fused" into the producer, "apart", or apart in the
-    backward only ("backward"; QUANTIZE_MODES). `grad_input`: the dtype grad-input's GEMM
-    writes for an input wider than the compute dtype, the input's ("input") or the compute
-    dtype's, then cast ("compute"; GRAD_INPUT_MODES).
+    under torch.compile with "triton", "fused" into the producer, "apart", apart in the
+    backward only ("backward") or for the output gradients only ("gradients"; QUANTIZE_MODES).
+    `grad_input`: the dtype grad-input's GEMM writes for an input wider than the compute dtype,
+    the input's ("input") or the compute dtype's, then cast ("compute"; GRAD_INPUT_MODES).
     """
     _check_grad_weight(grad_weight)
     _check_kernel(kernel)
@@ -440,7 +446,7 @@ def apply_int8(
         if ops.GEMM != "tma":
             log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
         if quantize != "fused":
-            where = "" if quantize == "apart" else " in the backward"
+            where = {"apart": "", "backward": " in the backward", "gradients": " of dy"}[quantize]
             log.info(
                 "int8 quantizes%s: the Triton op, apart from their producers (%s)",
                 where,

@@ -253,7 +253,7 @@ def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight, grad_inp
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("quantize", ["fused", "apart", "backward"])
+@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
 def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
     """torch.compile: Triton GEMMs (opaque custom ops) and Inductor's fused quantize (or, with
     DTRAIN_INT8_QUANTIZE=apart, the Triton quantize op), against the eager portable path:
