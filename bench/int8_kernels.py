@@ -12,6 +12,8 @@ per matmul and end to end, every ratio against the bf16 of the same call.
      bf16        torch.mm in the operand layouts autograd uses for an nn.Linear
      _int_mm     torch._int_mm + the eager dequantizing multiply (int8.scaled_int_mm)
      triton      dtrain's Triton int8 GEMM, dequantization fused, bf16 out (autotuned first)
+     triton TMA  its persistent TMA kernel; for grad-input also with an fp32 output, what
+                 q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
    and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
    int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
    gradients, weights and transposed weights: eager, torch.compile'd, the Triton kernel.
@@ -206,13 +208,18 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                     sa1, sb1 = sa.reshape(-1), sb.reshape(-1).contiguous()
                     tma = partial(it._launch_int8_mm_tma, a, b, c, sa1, sb1)
                     res["triton_tma_ms"] = _try(_first_then_time, ms, tma)
+                    if case["role"] == "grad_input":  # q, k, v, w1, w3 take fp32 inputs:
+                        # their grad-input GEMM writes fp32 (DTRAIN_INT8_GRAD_INPUT=input)
+                        c32 = torch.empty(m, n, dtype=torch.float32, device=device)
+                        tma32 = partial(it._launch_int8_mm_tma, a, b, c32, sa1, sb1)
+                        res["triton_tma_f32_ms"] = _try(_first_then_time, ms, tma32)
                 # cuBLAS with 8-bit operands, row-wise scales, bf16 out: what fp8 gets
                 res["fp8_ms"] = _try(_first_then_time, ms, partial(_fp8_mm, a, b, sa, sb))
             del a, b, bf16_mm
             seen[key] = res
         res = dict(seen[key])
         flop = 2 * m * n * k
-        for v in ("bf16", "int_mm_dequant", "triton", "triton_tma", "fp8"):
+        for v in ("bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "fp8"):
             t = res.get(f"{v}_ms")
             if isinstance(t, float):
                 res[f"{v}_tflops"] = flop / t / 1e9
@@ -441,9 +448,9 @@ def render(res: dict) -> str:
             "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
             "",
             "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
-            "| triton TMA | fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 "
-            "| fp8 vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| triton TMA | TMA, fp32 out | fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 "
+            "| TMA vs bf16 | fp8 vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gemms:
             lines.append(
@@ -452,6 +459,7 @@ def render(res: dict) -> str:
                 f"| {_cell(g.get('int_mm_dequant_ms'), g.get('int_mm_dequant_tflops'))} "
                 f"| {_cell(g.get('triton_ms'), g.get('triton_tflops'))} "
                 f"| {_cell(g.get('triton_tma_ms'), g.get('triton_tma_tflops'))} "
+                f"| {_cell(g.get('triton_tma_f32_ms'), g.get('triton_tma_f32_tflops'))} "
                 f"| {_cell(g.get('fp8_ms'), g.get('fp8_tflops'))} "
                 f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} "
