@@ -21,7 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_int8_triton.py"
 
+from dtrain.errors import ConfigError  # noqa: E402
 from dtrain.lowp import int8 as i8  # noqa: E402
+from dtrain.lowp import int8_swiglu as sw  # noqa: E402
+from dtrain.lowp import int8_swiglu_triton as swt  # noqa: E402
 from dtrain.lowp import int8_triton as it  # noqa: E402
 
 # (M, N, K): not multiples of 16/32/64; a single row/column; K a multiple of 128 (EVEN_K).
@@ -105,7 +108,7 @@ def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
 
 def test_a_bad_gemm_variant_is_one_line(monkeypatch):
     monkeypatch.setenv(it.GEMM_ENV, "sideways")
-    with pytest.raises(i8.ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):
+    with pytest.raises(ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):
         it.gemm_variant()
     monkeypatch.setenv(it.GEMM_ENV, "Pointer")
     assert it.gemm_variant() == "pointer"
@@ -301,7 +304,7 @@ def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkey
 
 def test_a_bad_quantize_mode_is_one_line(monkeypatch):
     monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
-    with pytest.raises(i8.ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid; "):
+    with pytest.raises(ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid; "):
         i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
 
 
@@ -310,3 +313,132 @@ def test_dispatch_in_the_interpreter(monkeypatch):
     assert i8.select_kernel("cpu")[0] == "triton"
     monkeypatch.delenv(i8.KERNEL_ENV)
     assert i8.select_kernel("cpu") == ("torch", "no CUDA device")
+
+
+# --- the fused SwiGLU's kernels (dtrain/lowp/int8_swiglu_triton.py) -----------------------------
+
+SWIGLU_SHAPES = [(5, 70), (33, 129), (1, 1), (16, 300), (3, 64)]
+
+
+def _gate_operands(r, c, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, b, dh = (s * torch.randn(r, c, generator=g) for s in (3.0, 1.0, 0.1))
+    return a.to(dtype), b.to(dtype), dh.to(dtype)
+
+
+def _within(x, ref, rel):
+    """|x - ref| <= rel |ref|, plus rel / 100 of the largest |ref|: where silu's gradient
+    crosses zero (1 + a (1 - sigmoid(a)) cancels) one exp's last bit is a large relative error."""
+    ref = ref.float()
+    diff = (x.float() - ref).abs()
+    return bool((diff <= ref.abs() * rel + ref.abs().max() * rel / 100 + 1e-30).all())
+
+
+@pytest.mark.parametrize("r,c", SWIGLU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_quantize_is_the_gate_then_the_row_quantize(r, c, dtype):
+    """hq, hs: quantize_rowwise(silu(a) * b). fp32: the scales within fp32 rounding of eager's
+    (numpy's exp here, torch's there) and the codes within one; bf16: the interpreter truncates
+    the two roundings, so the scales within two bf16 steps and the codes within two."""
+    a, b, _ = _gate_operands(r, c, dtype)
+    hq, hs = swt.swiglu_quantize(a, b)
+    ref_q, ref_s = i8.quantize_rowwise(torch.nn.functional.silu(a) * b)
+    assert hq.dtype == torch.int8 and hq.shape == (r, c) and hs.shape == (r, 1)
+    rel, codes = (1e-6, 1) if dtype == torch.float32 else (2**-6, 2)
+    assert _within(hs, ref_s, rel)
+    assert (hq.int() - ref_q.int()).abs().max() <= codes
+    assert (hq.int() - ref_q.int()).abs().float().mean() < 0.5  # mostly the same codes
+
+
+@pytest.mark.parametrize("r,c", SWIGLU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_is_autogrades_gradients_and_their_quantizes(r, c, dtype):
+    """ga, gb: autograd's gradients of silu(a) * b (within the interpreter's truncation in
+    bf16), and the int8 codes and scales are exactly quantize_rowwise of the ga and gb the
+    kernel returned (its second sweep recomputes them bit for bit)."""
+    a, b, dh = _gate_operands(r, c, dtype)
+    ga, gb, gaq, gas, gbq, gbs = swt.swiglu_backward_quantize(dh, a, b)
+    a_ = a.clone().requires_grad_()
+    b_ = b.clone().requires_grad_()
+    (torch.nn.functional.silu(a_) * b_).backward(dh)
+    rel = 1e-5 if dtype == torch.float32 else 2**-6
+    assert ga.dtype == gb.dtype == dtype
+    assert _within(ga, a_.grad, rel) and _within(gb, b_.grad, rel)
+    for g, q, s in ((ga, gaq, gas), (gb, gbq, gbs)):
+        ref_q, ref_s = i8.quantize_rowwise(g)
+        assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+
+
+def test_swiglu_kernels_refuse_what_they_cannot_compute():
+    a = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        swt.swiglu_quantize(a, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        swt.swiglu_backward_quantize(a, a, a.bfloat16())
+    with pytest.raises(ValueError, match="float tensors"):
+        swt.swiglu_quantize(a.to(torch.int8), a.to(torch.int8))
+
+
+class _Gate(nn.Module):
+    """A SwiGLU's three linears, declared as dtrain.model.FeedForward declares them."""
+
+    swiglu = ("w1", "w3", "w2")
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+        self.w2 = nn.Linear(96, 64, bias=False)
+
+
+def _ffn(kernel, grad_weight="bf16"):
+    torch.manual_seed(0)
+    ffn = _Gate()
+    i8.apply_int8(ffn, lambda m, n: True, grad_weight=grad_weight, kernel=kernel)
+    assert sw.fuse_swiglu(ffn) == 1
+    return ffn
+
+
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+def test_fused_swiglu_on_the_triton_kernels_is_the_portable_one(grad_weight):
+    """The whole fused function on the Triton kernels (the gate's two fused kernels, the int8
+    GEMMs and quantizes) against the portable path, fp32: the same up to exp's last bits."""
+    x = torch.randn(3, 11, 64)
+    out = {}
+    for kernel in ("torch", "triton"):
+        ffn = _ffn(kernel, grad_weight)
+        xi = x.clone().requires_grad_()
+        with CountOps() as ops:
+            y = ffn(xi)
+            y.pow(2).sum().backward()
+        out[kernel] = [y.detach(), xi.grad] + [p.grad for p in ffn.parameters()]
+        if kernel == "triton":
+            assert ops.names.count("int8_swiglu_quantize") == 1
+            assert ops.names.count("int8_swiglu_backward_quantize") == 1
+            assert "_int_mm" not in ops.names and "silu" not in ops.names
+    for name, r, t in zip(("y", "dx", "dw1", "dw3", "dw2"), out["torch"], out["triton"]):
+        torch.testing.assert_close(t, r, rtol=2e-2, atol=1e-3, msg=name)
+
+
+def test_fused_swiglu_compiles_with_its_kernels_as_two_ops():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes: list[str] = []
+
+    def capture(gm, example_inputs):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    ffn = _ffn("triton")
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    compiled = torch.compile(
+        lambda x: ffn(x).pow(2).mean(),
+        fullgraph=True,
+        backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+    )
+    compiled(x).backward()
+    fw, bw = codes
+    assert fw.count("torch.ops.dtrain.int8_swiglu_quantize") == 1, fw
+    assert bw.count("torch.ops.dtrain.int8_swiglu_backward_quantize") == 1, bw
+    assert fw.count("torch.ops.dtrain.int8_mm") == 3 and bw.count("torch.ops.dtrain.int8_mm") == 3

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.errors import ConfigError
+from dtrain.lowp.switches import env_choice
 
 log = logging.getLogger("dtrain")
 
@@ -179,11 +179,7 @@ def select_kernel(device: torch.device | str) -> tuple[str, str]:
     """("triton" or "torch", why) for int8 matmuls on `device`; DTRAIN_INT8_KERNEL can force
     either (forcing "triton" takes it on any CUDA GPU, e.g. to try it on an A100)."""
     device = torch.device(device)
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
-    if forced not in ("auto", *KERNELS):
-        raise ConfigError(
-            f"{KERNEL_ENV}={forced!r} is not valid; choose auto, {' or '.join(KERNELS)}"
-        )
+    forced = env_choice(KERNEL_ENV, ("auto", *KERNELS))
     if forced == "torch":
         return "torch", f"{KERNEL_ENV}=torch"
     if device.type != "cuda":
@@ -236,23 +232,13 @@ def _triton_applies(t: torch.Tensor) -> bool:
 
 
 def quantize_mode() -> str:
-    """QUANTIZE_ENV's choice ("fused" when unset); a bad value is a ConfigError naming both."""
-    mode = os.environ.get(QUANTIZE_ENV, "").strip().lower() or "fused"
-    if mode not in QUANTIZE_MODES:
-        raise ConfigError(
-            f"{QUANTIZE_ENV}={mode!r} is not valid; choose {' or '.join(QUANTIZE_MODES)}"
-        )
-    return mode
+    """QUANTIZE_ENV's choice ("fused" when unset)."""
+    return env_choice(QUANTIZE_ENV, QUANTIZE_MODES)
 
 
 def grad_input_mode() -> str:
-    """GRAD_INPUT_ENV's choice ("input" when unset); a bad value is a ConfigError naming both."""
-    mode = os.environ.get(GRAD_INPUT_ENV, "").strip().lower() or "input"
-    if mode not in GRAD_INPUT_MODES:
-        raise ConfigError(
-            f"{GRAD_INPUT_ENV}={mode!r} is not valid; choose {' or '.join(GRAD_INPUT_MODES)}"
-        )
-    return mode
+    """GRAD_INPUT_ENV's choice ("input" when unset)."""
+    return env_choice(GRAD_INPUT_ENV, GRAD_INPUT_MODES)
 
 
 def _quantize(
@@ -294,26 +280,69 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
     return out.to(out_dtype)
 
 
+# --- the matmuls of a layer, shared with dtrain/lowp/int8_swiglu.py -----------------------------
+
+
+def mm_forward(xq, xs, weight, out_dtype, kernel: str, apart: bool) -> torch.Tensor:
+    """y = x W^T from the quantized input (M, K) and the weight, quantized per output channel."""
+    wq, ws = _quantize(weight, kernel, apart=apart)  # (N, K) int8, (N, 1)
+    return _scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype, kernel)  # (M, N)
+
+
+def mm_grad_input(gq, gs, weight, out_dtype, kernel: str, apart_w: bool) -> torch.Tensor:
+    """dx = dy W from the quantized output gradient (M, N), W quantized per input channel."""
+    wtq, wts = _quantize(weight.t(), kernel, apart=apart_w)  # (K, N)
+    return _scaled_mm(gq, gs, wtq.t(), wts.t(), out_dtype, kernel)  # (M, K)
+
+
+def mm_grad_weight(
+    g, xq, xs, weight_dtype, compute_dtype, int8: bool, kernel: str, apart_g: bool, x_deq=None
+) -> torch.Tensor:
+    """dW = dy^T x from the output gradient g (M, N) and the saved int8 input: in int8 (`int8`)
+    or SwitchBack's compute-dtype matmul from the dequantized input (`x_deq` if given)."""
+    if int8:
+        # Fold the per-token input scales into dy (see the module docstring), then quantize
+        # per output channel over the tokens: (N, M) int8, (N, 1).
+        gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart_g)
+        xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
+        return _scaled_mm(gtq, gts, xq_colmajor, 1.0, weight_dtype, kernel)  # (N, K)
+    # SwitchBack: dequantize the saved input (in fp32, one rounding to the compute dtype) and
+    # multiply in the compute dtype, as a bf16 linear's grad_weight does.
+    if x_deq is None:
+        x_deq = dequantize(xq, xs, compute_dtype)
+    return torch.mm(g.to(compute_dtype).t(), x_deq).to(weight_dtype)  # (N, K)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def apart_flags(quantize: str) -> tuple[bool, bool, bool]:
+    """(forward's, dy's, transposed weights') quantizes apart, for QUANTIZE_MODES' `quantize`."""
+    return (
+        quantize == "apart",
+        quantize in ("apart", "backward", "gradients"),
+        quantize in ("apart", "backward"),
+    )
+
+
 # --- the layer ----------------------------------------------------------------------------------
 
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, quantize, grad_input):
-        apart = quantize == "apart"
+        apart, ctx.apart_g, ctx.apart_w = apart_flags(quantize)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         xq, xs = _quantize(x2, kernel, apart=apart)  # (M, K) int8, (M, 1)
-        wq, ws = _quantize(weight, kernel, apart=apart)  # (N, K) int8, (N, 1)
-        y = _scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype, kernel)  # (M, N)
+        y = mm_forward(xq, xs, weight, out_dtype, kernel, apart)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The weight is the parameter itself (no copy); the input only as int8 + scales.
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
-        ctx.apart_g = quantize in ("apart", "backward", "gradients")  # dy's quantizes
-        ctx.apart_w = quantize in ("apart", "backward")  # the transposed weight's
         ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
@@ -321,24 +350,16 @@ class _Int8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         xq, xs, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        kernel, apart_g = ctx.kernel, ctx.apart_g
+        kernel = ctx.kernel
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gq, gs = _quantize(g, kernel, apart=apart_g)  # per token, over N
-            wtq, wts = _quantize(weight.t(), kernel, apart=ctx.apart_w)  # (K, N): per in-channel
-            grad_x = _scaled_mm(gq, gs, wtq.t(), wts.t(), ctx.grad_x_dtype, kernel)
+            gq, gs = _quantize(g, kernel, apart=ctx.apart_g)  # per token, over N
+            grad_x = mm_grad_input(gq, gs, weight, ctx.grad_x_dtype, kernel, ctx.apart_w)
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and ctx.int8_grad_weight:
-            # Fold the per-token input scales into dy (see the module docstring), then
-            # quantize per output channel over the tokens: (N, M) int8, (N, 1).
-            gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart_g)
-            xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major for the int8 GEMM
-            grad_w = _scaled_mm(gtq, gts, xq_colmajor, 1.0, weight.dtype, kernel)  # (N, K)
-        elif ctx.needs_input_grad[1]:
-            # SwitchBack: dequantize the saved input (in fp32, one rounding to the compute
-            # dtype) and multiply in the compute dtype, as a bf16 linear's grad_weight does.
-            x_deq = (xq.float() * xs).to(ctx.out_dtype)  # (M, K)
-            grad_w = torch.mm(g.to(ctx.out_dtype).t(), x_deq).to(weight.dtype)  # (N, K)
+        if ctx.needs_input_grad[1]:
+            grad_w = mm_grad_weight(
+                g, xq, xs, weight.dtype, ctx.out_dtype, ctx.int8_grad_weight, kernel, ctx.apart_g
+            )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
@@ -452,6 +473,9 @@ def apply_int8(
                 where,
                 QUANTIZE_ENV,
             )
+    from dtrain.lowp.int8_swiglu import SWIGLU_ENV, fuse_swiglu, swiglu_mode
+
+    swiglu = swiglu_mode()
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
@@ -461,4 +485,11 @@ def apply_int8(
             m.quantize = quantize
             m.grad_input = grad_input
             n += 1
+    if swiglu == "fused":
+        fused = fuse_swiglu(module)
+        log.info(
+            "int8 SwiGLU: %d gate(s) as one function, their quantizes fused (%s)",
+            fused,
+            SWIGLU_ENV,
+        )
     return n

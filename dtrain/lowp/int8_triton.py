@@ -88,12 +88,9 @@ GEMM_ENV = "DTRAIN_INT8_GEMM"
 
 
 def gemm_variant() -> str:
-    v = os.environ.get(GEMM_ENV, "").strip().lower() or "tma"
-    if v not in GEMM_VARIANTS:
-        from dtrain.errors import ConfigError
+    from dtrain.lowp.switches import env_choice
 
-        raise ConfigError(f"{GEMM_ENV}={v!r} is not valid; choose {' or '.join(GEMM_VARIANTS)}")
-    return v
+    return env_choice(GEMM_ENV, GEMM_VARIANTS)
 
 
 GEMM = gemm_variant()
@@ -538,6 +535,29 @@ else:
 
 
 @triton.jit
+def row_block(R, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows: their indices, which of them exist, and 64-bit row numbers
+    (offsets past 2**31 elements)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return offs_r, offs_r < R, offs_r.to(tl.int64)
+
+
+@triton.jit
+def row_scales(amax):
+    """A row's scale from its abs-max, as int8.quantize_rowwise computes it."""
+    return tl.maximum(amax, 1e-12) * tl.full(amax.shape, INV_QMAX, tl.float32)
+
+
+@triton.jit
+def quantize_values(v, scale):
+    """v (BLOCK_R, BLOCK_C) fp32 over its rows' scales (BLOCK_R,): int8 values, rounded half to
+    even and clamped, with IEEE division (Triton's `/` on fp32 is the approximate div.full), as
+    eager's x / scale."""
+    y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)))
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
 def _quantize_rowwise_kernel(
     x_ptr,
     col_scale_ptr,
@@ -554,9 +574,7 @@ def _quantize_rowwise_kernel(
     # One program per BLOCK_R rows: the abs-max over the row in one sweep, then a second
     # sweep (mostly from L2) to round and store. Tiles are 2-d, so rows that are strided in
     # memory (x a transposed view: stride_xr == 1) still load coalesced along the rows.
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
-    rows = offs_r.to(tl.int64)
+    offs_r, r_ok, rows = row_block(R, BLOCK_R)
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -567,7 +585,7 @@ def _quantize_rowwise_kernel(
         if HAS_COL_SCALE:
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    scale = tl.maximum(amax, 1e-12) * tl.full((BLOCK_R,), INV_QMAX, tl.float32)
+    scale = row_scales(amax)
     tl.store(scale_ptr + offs_r, scale, mask=r_ok)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -577,14 +595,11 @@ def _quantize_rowwise_kernel(
         v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
         if HAS_COL_SCALE:
             v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
-        # IEEE division (Triton's `/` on fp32 is the approximate div.full), as eager's x / scale.
-        y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], (BLOCK_R, BLOCK_C))))
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
-        tl.store(q_ptrs, y.to(tl.int8), mask=ok)
+        tl.store(q_ptrs, quantize_values(v, scale), mask=ok)
 
 
-def _quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, int]:
+def quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps): tiles of 4096 values, long along the contiguous axis."""
     if rows_contiguous:  # each row is contiguous: sweep along it
         block_c = min(triton.next_power_of_2(c), 2048)
@@ -615,7 +630,7 @@ def quantize_rowwise(x, col_scale):
     if cs is not None and cs.numel() != c:
         raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
     rows_contiguous = x.stride(1) == 1 or c == 1 or x.stride(0) != 1
-    block_r, block_c, warps = _quantize_blocks(r, c, rows_contiguous)
+    block_r, block_c, warps = quantize_blocks(r, c, rows_contiguous)
     if INTERPRET:
         block_r, block_c = min(block_r, 16), min(block_c, 64)
     grid = (triton.cdiv(r, block_r),)

@@ -271,3 +271,75 @@ def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
         rel = ((t.float() - r.float()).norm() / r.float().norm()).item()
         assert rel < 5e-2, (name, rel)
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-2, atol=0)
+
+
+# --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------
+
+
+@pytest.mark.parametrize("r,c", [(16384, 5632), (1000, 700), (3, 5)])
+def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c):
+    """The gate's two fused kernels against eager CUDA ops on bf16: PyTorch's silu formulas
+    with the same exp, so the same bits but where a compiler's fused multiply-adds round
+    differently (at most a thousandth of the values, by one step); the int8 codes are exactly
+    the row quantize of the gradients the kernel returned."""
+    import torch.nn.functional as F
+
+    from dtrain.lowp import int8_swiglu_triton as swt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b, dh = (
+        (s * torch.randn(r, c, device="cuda", generator=g)).bfloat16() for s in (3.0, 1.0, 0.1)
+    )
+    hq, hs = swt.swiglu_quantize(a, b)
+    ref_q, ref_s = i8.quantize_rowwise(F.silu(a) * b)
+    assert (hq.int() - ref_q.int()).abs().max() <= 1
+    assert (hq != ref_q).float().mean() <= 1e-3
+    torch.testing.assert_close(hs, ref_s, rtol=2**-7, atol=0)
+    ga, gb, gaq, gas, gbq, gbs = swt.swiglu_backward_quantize(dh, a, b)
+    a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+    (F.silu(a_) * b_).backward(dh)
+    for got, ref in ((ga, a_.grad), (gb, b_.grad)):
+        assert got.dtype == torch.bfloat16
+        assert (got != ref).float().mean() <= 1e-3
+        assert _bf16_steps_apart(got, ref) <= 1
+    for grad, q, s in ((ga, gaq, gas), (gb, gbq, gbs)):
+        ref_q, ref_s = i8.quantize_rowwise(grad)
+        assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+
+
+def _bf16_steps_apart(x: torch.Tensor, ref: torch.Tensor) -> int:
+    """The largest distance in bf16 steps (ulps, as ordered int16 codes) between x and ref."""
+
+    def code(t):
+        i = t.contiguous().view(torch.int16).int()
+        return torch.where(i < 0, -32768 - i, i)  # sign-magnitude to an ordered integer line
+
+    return int((code(x) - code(ref)).abs().max().item())
+
+
+def _swiglu_ffn():
+    from dtrain.model import FeedForward, ModelConfig
+
+    torch.manual_seed(0)
+    return FeedForward(ModelConfig(d_model=256, ffn_hidden=704)).cuda()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fused_swiglu_trains_as_the_three_linears(compile, monkeypatch):
+    """A SwiGLU's AdamW steps under bf16 autocast: fused on the Triton kernels (compiled or
+    not) against the three Int8Linear layers on the portable path, eager: close (the Triton
+    GEMMs are exact; what moves is the gate's last bits, and, compiled, nothing else: the
+    gate's kernels are opaque to Inductor)."""
+    from dtrain.lowp import int8_swiglu as sw
+
+    torch._dynamo.reset()
+    ref, fused = _swiglu_ffn(), _swiglu_ffn()
+    i8.apply_int8(ref, lambda m, n: True, grad_weight="bf16", kernel="torch")
+    i8.apply_int8(fused, lambda m, n: True, grad_weight="bf16", kernel="triton")
+    assert sw.fuse_swiglu(fused) == 1
+    loss_r, first_r = _train(ref)
+    loss_f, first_f = _train(fused, compile=compile)
+    for name, r, t in zip(["y", "dx", "dw1", "dw3", "dw2"], first_r, first_f, strict=True):
+        rel = ((t.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 1e-2, (name, rel)
+    torch.testing.assert_close(torch.tensor(loss_f), torch.tensor(loss_r), rtol=1e-3, atol=0)

@@ -1,0 +1,149 @@
+"""precision=int8's fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) on the
+portable path: bitwise the three Int8Linear layers' numbers, in a whole model's loss and every
+gradient; what it keeps for backward; the swap, its guards and its one line. The Triton kernels
+it runs on a GPU: tests/int8_triton_interp.py (interpreter) and tests/gpu/test_int8_kernels.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.config import PrecisionConfig
+from dtrain.errors import ConfigError
+from dtrain.lowp import int8 as i8
+from dtrain.lowp import int8_swiglu as sw
+from dtrain.model import FeedForward, ModelConfig, build_model
+from dtrain.precision import apply_precision, build_precision
+
+CPU = torch.device("cpu")
+TINY = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=96, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for env in (i8.KERNEL_ENV, i8.QUANTIZE_ENV, i8.GRAD_INPUT_ENV, sw.SWIGLU_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+
+def _int8_model(monkeypatch, swiglu: str, grad_weight: str = "bf16") -> nn.Module:
+    monkeypatch.setenv(sw.SWIGLU_ENV, swiglu)
+    model = build_model(TINY, CPU, seed=0)
+    apply_precision(
+        model, build_precision(PrecisionConfig("int8", int8_grad_weight=grad_weight), CPU)
+    )
+    return model
+
+
+def _loss_and_grads(model: nn.Module):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, TINY.vocab_size, (2, 32), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, torch.roll(x, -1, dims=1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("grad_input", ["input", "compute"])
+@pytest.mark.parametrize("grad_weight", ["bf16", "int8"])
+def test_fused_swiglu_is_the_three_linears_bit_for_bit(grad_weight, grad_input, monkeypatch):
+    monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)
+    ref = _int8_model(monkeypatch, "linears", grad_weight)
+    fused = _int8_model(monkeypatch, "fused", grad_weight)
+    ffns = [m for m in fused.modules() if isinstance(m, FeedForward)]
+    assert len(ffns) == TINY.n_layer and all(type(m) is not FeedForward for m in ffns)
+    assert all(type(m) is FeedForward for m in ref.modules() if isinstance(m, FeedForward))
+    loss_r, grads_r = _loss_and_grads(ref)
+    loss_f, grads_f = _loss_and_grads(fused)
+    assert torch.equal(loss_f, loss_r)
+    assert grads_f.keys() == grads_r.keys()
+    for name, g in grads_r.items():
+        assert torch.equal(grads_f[name], g), name
+
+
+def test_fused_swiglu_keeps_less_for_backward():
+    """Saved for backward by one SwiGLU, in bytes: the fused function keeps x's int8 once and not
+    silu(a) (autograd's product keeps it), so less than the three layers and the eager gate."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, ffn_hidden=192)
+
+    def saved_bytes(ffn) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if not isinstance(t, nn.Parameter):
+                total += t.numel() * t.element_size()
+            return t
+
+        x = torch.randn(4, 16, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ffn(x).float().sum().backward()
+        return total
+
+    ref, fused = FeedForward(cfg), FeedForward(cfg)
+    for m in (ref, fused):
+        i8.apply_int8(m, lambda m, n: True, grad_weight="bf16")
+    assert sw.fuse_swiglu(fused) == 1
+    tokens, hidden = 64, 192
+    silu_a = tokens * hidden * 2  # bf16
+    x_int8 = tokens * 64 + tokens * 4  # int8 values and fp32 scales
+    assert saved_bytes(ref) - saved_bytes(fused) == silu_a + x_int8
+
+
+def test_the_swap_keeps_parameters_and_skips_what_it_cannot_run():
+    cfg = ModelConfig(d_model=32, ffn_hidden=64)
+    ffn = FeedForward(cfg)
+    keys = list(ffn.state_dict())
+    assert sw.fuse_swiglu(ffn) == 0  # plain nn.Linear layers: not int8
+    i8.apply_int8(ffn, lambda m, n: True)
+    assert sw.fuse_swiglu(ffn) == 1 and isinstance(ffn, FeedForward)
+    assert list(ffn.state_dict()) == keys and type(ffn).__name__ == "Int8FusedFeedForward"
+    assert sw.fuse_swiglu(ffn) == 0  # already fused
+    mixed = FeedForward(cfg)
+    i8.apply_int8(mixed, lambda m, n: True)
+    mixed.w2.grad_weight = "bf16"  # the three must run alike (the others: int8)
+    assert sw.fuse_swiglu(mixed) == 0
+    half = FeedForward(cfg)
+    i8.apply_int8(half, lambda m, n: n != "w2")  # w2 left in bf16
+    assert sw.fuse_swiglu(half) == 0
+
+
+def test_the_mode_is_read_once_said_once_and_checked(monkeypatch, caplog):
+    assert sw.swiglu_mode() == "linears"
+    monkeypatch.setenv(sw.SWIGLU_ENV, " Fused")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        model = build_model(TINY, CPU, seed=0)
+        apply_precision(model, build_precision(PrecisionConfig("int8"), CPU))
+    said = [r.getMessage() for r in caplog.records if "int8 SwiGLU" in r.getMessage()]
+    assert said == [
+        "int8 SwiGLU: 2 gate(s) as one function, their quantizes fused (DTRAIN_INT8_SWIGLU)"
+    ]
+    monkeypatch.setenv(sw.SWIGLU_ENV, "sideways")
+    with pytest.raises(ConfigError, match="DTRAIN_INT8_SWIGLU='sideways' is not valid; choose"):
+        i8.apply_int8(nn.Sequential(nn.Linear(8, 8)), lambda m, n: True)
+
+
+def test_fused_swiglu_compiles_in_one_graph():
+    """fullgraph=True through the fused function (aot_eager: AOTAutograd traces forward and
+    backward as Inductor would); the gradients are eager's."""
+    torch._dynamo.reset()
+    cfg = ModelConfig(d_model=64, ffn_hidden=192)
+    ffn = FeedForward(cfg)
+    i8.apply_int8(ffn, lambda m, n: True, grad_weight="bf16")
+    assert sw.fuse_swiglu(ffn) == 1
+    x = torch.randn(4, 16, 64)
+
+    def loss_fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ffn(x).float().pow(2).mean()
+
+    torch.compile(loss_fn, backend="aot_eager", fullgraph=True)(x).backward()
+    grads = [p.grad.clone() for p in ffn.parameters()]
+    ffn.zero_grad()
+    loss_fn(x).backward()
+    for g, p in zip(grads, ffn.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-5)
