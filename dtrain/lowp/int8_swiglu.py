@@ -13,10 +13,12 @@ launched:
   - h = silu(a) * b is never written: w2 reads its int8 quantization, and SwitchBack's
     grad-weight of w2 dequantizes that, as the unfused w2 does from what it saved;
   - autograd's silu(a), saved for the product's backward, is not kept (a and b are, to
-    recompute it): F x 2 bytes a token less memory per layer (11 KiB at 1b);
+    recompute it): F x 2 bytes a token less memory per layer (11 KiB at 1b) in eager mode;
+    compiled, AOTAutograd's partitioner chooses what the unfused gate saves;
   - under torch.compile the two fused kernels are opaque custom ops, so Inductor cannot turn
-    the gate's pointwise kernels into the looped row reductions that cost the twenty-sixth
-    session's 1b trace 18.7 ms a step (dtrain/lowp/int8_swiglu_triton.py).
+    the gate's pointwise kernels into the looped row reductions that took 18.7 ms a step more
+    than bf16's pointwise ones in the twenty-sixth session's 1b trace
+    (dtrain/lowp/int8_swiglu_triton.py).
 
 Applies to modules that declare `swiglu = (gate, up, down)` (dtrain.model.FeedForward) whose
 three linears were swapped to Int8Linear without bias: `fuse_swiglu` changes their class to a
