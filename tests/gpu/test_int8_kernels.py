@@ -327,9 +327,10 @@ def _swiglu_ffn():
 @pytest.mark.parametrize("compile", [False, True])
 def test_fused_swiglu_trains_as_the_three_linears(compile, monkeypatch):
     """A SwiGLU's AdamW steps under bf16 autocast: fused on the Triton kernels (compiled or
-    not) against the three Int8Linear layers on the portable path, eager: close (the Triton
-    GEMMs are exact; what moves is the gate's last bits, and, compiled, nothing else: the
-    gate's kernels are opaque to Inductor)."""
+    not) against the three Int8Linear layers on the portable path, eager: close. Eager, the
+    Triton GEMMs are exact and what moves is the gate's last bits; compiled, also x's quantize,
+    which Inductor computes with its own division (as in the compiled test above, whose bounds
+    these are)."""
     from dtrain.lowp import int8_swiglu as sw
 
     torch._dynamo.reset()
@@ -339,7 +340,8 @@ def test_fused_swiglu_trains_as_the_three_linears(compile, monkeypatch):
     assert sw.fuse_swiglu(fused) == 1
     loss_r, first_r = _train(ref)
     loss_f, first_f = _train(fused, compile=compile)
+    bound, rtol = (5e-2, 1e-2) if compile else (1e-2, 1e-3)
     for name, r, t in zip(["y", "dx", "dw1", "dw3", "dw2"], first_r, first_f, strict=True):
         rel = ((t.float() - r.float()).norm() / r.float().norm()).item()
-        assert rel < 1e-2, (name, rel)
-    torch.testing.assert_close(torch.tensor(loss_f), torch.tensor(loss_r), rtol=1e-3, atol=0)
+        assert rel < bound, (name, rel)
+    torch.testing.assert_close(torch.tensor(loss_f), torch.tensor(loss_r), rtol=rtol, atol=0)
