@@ -415,8 +415,11 @@ def test_fused_swiglu_on_the_triton_kernels_is_the_portable_one(grad_weight):
             assert ops.names.count("int8_swiglu_quantize") == 1
             assert ops.names.count("int8_swiglu_backward_quantize") == 1
             assert "_int_mm" not in ops.names and "silu" not in ops.names
+    # The exps differ in their last bits (numpy's here, torch's there), which moves a scale by
+    # an fp32 ulp now and then: 1e-8 of each tensor's norm when measured, where one int8 code
+    # off in a row would be about 1e-3.
     for name, r, t in zip(("y", "dx", "dw1", "dw3", "dw2"), out["torch"], out["triton"]):
-        torch.testing.assert_close(t, r, rtol=2e-2, atol=1e-3, msg=name)
+        assert ((t - r).norm() / r.norm()).item() < 1e-6, name
 
 
 def test_fused_swiglu_compiles_with_its_kernels_as_two_ops():

@@ -129,7 +129,7 @@ def test_the_mode_is_read_once_said_once_and_checked(monkeypatch, caplog):
 
 def test_fused_swiglu_compiles_in_one_graph():
     """fullgraph=True through the fused function (aot_eager: AOTAutograd traces forward and
-    backward as Inductor would); the gradients are eager's."""
+    backward as Inductor would); the gradients are eager's, bit for bit."""
     torch._dynamo.reset()
     cfg = ModelConfig(d_model=64, ffn_hidden=192)
     ffn = FeedForward(cfg)
@@ -146,4 +146,28 @@ def test_fused_swiglu_compiles_in_one_graph():
     ffn.zero_grad()
     loss_fn(x).backward()
     for g, p in zip(grads, ffn.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-5)
+        assert torch.equal(g, p.grad)  # aot_eager runs the same eager ops
+
+
+def test_only_the_gradients_asked_for_are_computed_and_they_are_the_linears():
+    """A frozen weight (or an input without grad) gets no gradient, and the others are the
+    unfused layers' bit for bit (the backward skips what autograd does not need)."""
+    cfg = ModelConfig(d_model=64, ffn_hidden=192)
+    torch.manual_seed(0)
+    ref = FeedForward(cfg)
+    fused = FeedForward(cfg)
+    fused.load_state_dict(ref.state_dict())
+    for m in (ref, fused):
+        i8.apply_int8(m, lambda m, n: True, grad_weight="bf16")
+        m.w1.weight.requires_grad_(False)
+    assert sw.fuse_swiglu(fused) == 1
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    grads = []
+    for m in (ref, fused):
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x).float().pow(2).mean().backward()
+        assert m.w1.weight.grad is None
+        grads.append([x.grad.clone(), m.w3.weight.grad, m.w2.weight.grad])
+    for r, f in zip(*grads, strict=True):
+        assert torch.equal(r, f)

@@ -107,7 +107,7 @@ QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
 # "input" writes the input's dtype (fp32) from the epilogue; "compute" writes the compute dtype
 # (bf16) and casts, which is what autocast's bf16 linear does (its grad-input is a bf16 matmul,
 # cast to fp32 by the backward of autocast's cast). "compute" halves the epilogue's writes and
-# lets the TMA GEMM's BLOCK_K 128 tiles fit (a 4-byte output may not: int8_triton._TMA_TILES);
+# lets the TMA GEMM's 128x256x128 tile fit (not with fp32: int8_triton._TMA_TILES);
 # GRAD_INPUT_ENV sets it, for the A/B run that decides the default (not measured yet).
 GRAD_INPUT_MODES = ("input", "compute")
 GRAD_INPUT_ENV = "DTRAIN_INT8_GRAD_INPUT"

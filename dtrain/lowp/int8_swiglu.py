@@ -97,20 +97,29 @@ class _Int8SwiGLUFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         xq, xs, a, b, hq, hs, w1, w3, w2 = ctx.saved_tensors
         kernel, int8_gw, cd = ctx.kernel, ctx.int8_grad_weight, ctx.out_dtype
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, D)
+        dx = dw1 = dw3 = dw2 = None
+        if need_w2:
+            dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
+        if not (need_x or need_w1 or need_w3):
+            return dx, dw1, dw3, dw2, None, None, None, None, None
         # w2: its input h is in the compute dtype, so is dh (as the unfused w2's grad-input).
         gq, gs = i8._quantize(g, kernel, apart=ctx.apart_g)
         dh = i8.mm_grad_input(gq, gs, w2, cd, kernel, ctx.apart_w)  # (M, F)
-        dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
         ga, gb, (gaq, gas), (gbq, gbs) = _swiglu_backward(dh, a, b, kernel, ctx.apart_g)
-        dx = i8.mm_grad_input(gaq, gas, w1, ctx.grad_x_dtype, kernel, ctx.apart_w)
-        dx = dx.to(ctx.x_dtype) + i8.mm_grad_input(
-            gbq, gbs, w3, ctx.grad_x_dtype, kernel, ctx.apart_w
-        ).to(ctx.x_dtype)
+        if need_x:
+            dx = i8.mm_grad_input(gaq, gas, w1, ctx.grad_x_dtype, kernel, ctx.apart_w)
+            dx = dx.to(ctx.x_dtype) + i8.mm_grad_input(
+                gbq, gbs, w3, ctx.grad_x_dtype, kernel, ctx.apart_w
+            ).to(ctx.x_dtype)
+            dx = dx.view(ctx.x_shape)
         x_deq = None if int8_gw else i8.dequantize(xq, xs, cd)  # once, for w1 and w3
-        dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
-        dw3 = i8.mm_grad_weight(gb, xq, xs, w3.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
-        return dx.view(ctx.x_shape), dw1, dw3, dw2, None, None, None, None, None
+        if need_w1:
+            dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
+        if need_w3:
+            dw3 = i8.mm_grad_weight(gb, xq, xs, w3.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
+        return dx, dw1, dw3, dw2, None, None, None, None, None
 
 
 def int8_swiglu(x, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Tensor:

@@ -313,11 +313,13 @@ def _run(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None
 _TMA_TILES = [
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The first two, BLOCK_K 128 with 3
     # stages, are the fastest at 1b's and 8b's shapes, but their epilogue's staging in shared
-    # memory comes on top of the operand stages: with a 4-byte output (int32, unscaled) they
-    # need 278,552 bytes, over the H200's 232,448. Autotuning times such a config as infinite
-    # (`_bench_or_skip`) and picks among the rest; with bf16 outputs, what training writes,
-    # they fit. Leaving them out (f3595b7) made 17 of the 21 1b and 8b GEMMs 11-23% slower
-    # (bench/results/2026-12-01-gpu-s26/: w2's forward at 1b 0.364 against 0.306 ms, one call).
+    # memory comes on top of the operand stages: 128x256 with a 4-byte output (fp32 or int32)
+    # needs 278,552 bytes, over the H200's 232,448, and 256x128 with an unscaled int32 one
+    # (it fits with fp32: bench/results/2026-12-01-gpu-s26/call4_tile_check/). Autotuning
+    # times such a config as infinite (`_bench_or_skip`) and picks among the rest; with bf16
+    # outputs, what training's forward writes, both fit. Leaving them out (f3595b7) made 17 of
+    # the 21 1b and 8b GEMMs 11-23% slower (bench/results/2026-12-01-gpu-s26/: w2's forward
+    # at 1b 0.364 against 0.306 ms, one call).
     (128, 256, 128, 8, 3),
     (256, 128, 128, 8, 3),
     (128, 256, 64, 8, 4),
