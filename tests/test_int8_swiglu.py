@@ -6,6 +6,7 @@ it runs on a GPU: tests/int8_triton_interp.py (interpreter) and tests/gpu/test_i
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dtrain.lowp import int8 as i8
 from dtrain.lowp import int8_swiglu as sw
 from dtrain.model import FeedForward, ModelConfig, build_model
 from dtrain.precision import apply_precision, build_precision
+from tests.conftest import FAST, launch, train_losses
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=96, max_seq_len=64)
@@ -171,3 +173,36 @@ def test_only_the_gradients_asked_for_are_computed_and_they_are_the_linears():
         grads.append([x.grad.clone(), m.w3.weight.grad, m.w2.weight.grad])
     for r, f in zip(*grads, strict=True):
         assert torch.equal(r, f)
+
+
+def test_fused_swiglu_trains_as_the_linears_alone_and_under_fsdp(tmp_path):
+    """Whole runs: one process with the fused SwiGLU has the unfused run's losses exactly, and
+    fsdp on two ranks (gloo; each block's weights gathered when the fused forward reads them)
+    has them within the two-rank int8 tolerance of tests/test_precision_ddp.py."""
+    steps = [*FAST, "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
+    steps += ["precision=int8", "precision.int8_grad_weight=bf16"]
+    fused = {sw.SWIGLU_ENV: "fused"}
+    runs = {
+        "linears": launch(*steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/l"),
+        "fused": launch(
+            *steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/f", env_extra=fused
+        ),
+        "fsdp": launch(
+            *steps,
+            "strategy=fsdp",
+            "trainer.micro_batch_size=4",
+            f"hydra.run.dir={tmp_path}/d",
+            nproc=2,
+            env_extra=fused,
+        ),
+    }
+    for name, res in runs.items():
+        assert res.returncode == 0, (name, res.stderr[-3000:])
+    said = re.compile(r"int8 SwiGLU: [1-9]\d* gate\(s\) as one function")  # every block's
+    assert said.search(runs["fused"].stderr + runs["fused"].stdout)
+    assert not said.search(runs["linears"].stderr + runs["linears"].stdout)
+    lin, fus, fsdp = (train_losses(tmp_path / d) for d in "lfd")
+    assert sorted(lin) == sorted(fus) == sorted(fsdp) == [1, 2, 3]
+    assert lin == fus
+    for step in lin:
+        assert abs(fsdp[step] - lin[step]) <= 2e-3 * abs(lin[step]), (step, lin, fsdp)
