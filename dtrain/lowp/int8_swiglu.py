@@ -114,7 +114,8 @@ class _Int8SwiGLUFn(torch.autograd.Function):
                 gbq, gbs, w3, ctx.grad_x_dtype, kernel, ctx.apart_w
             ).to(ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
-        x_deq = None if int8_gw else i8.dequantize(xq, xs, cd)  # once, for w1 and w3
+        # Once, for w1 and w3 (and not at all when neither needs its gradient).
+        x_deq = None if int8_gw or not (need_w1 or need_w3) else i8.dequantize(xq, xs, cd)
         if need_w1:
             dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
         if need_w3:
