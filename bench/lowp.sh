@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8gic, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -45,7 +45,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
-  int8apart|int8bwapart|int8gapart|int8mk|int8tma|int8ptr|int8gic|int8swiglu|int8all) echo "precision=int8" ;;
+  int8apart|int8bwapart|int8gapart|int8mk|int8tma|int8ptr|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
@@ -66,11 +66,14 @@ mkenv() { case $1 in *mk) echo 1 ;; *) echo 0 ;; esac; }
 # int8ptr: int8 with the pointer-load GEMM (DTRAIN_INT8_GEMM=pointer) instead of the persistent
 # TMA one (the default since the twenty-fifth session; int8tma names it explicitly).
 gemmenv() { case $1 in int8ptr) echo pointer ;; *) echo tma ;; esac; }
-# int8gic: int8 with the grad-input GEMM writing the compute dtype (bf16) for the fp32 inputs
-# of q, k, v, w1 and w3, then cast, as autocast's bf16 linear does (DTRAIN_INT8_GRAD_INPUT).
-gienv() { case $1 in int8gic|int8all) echo compute ;; *) echo input ;; esac; }
+# int8gin: int8 with the grad-input GEMM writing the input's dtype (fp32) for the fp32 inputs of
+# q, k, v, w1 and w3 (DTRAIN_INT8_GRAD_INPUT=input), as every int8 run but int8gic and int8all
+# did before the twenty-seventh session. Since then the default, and so every other int8 run,
+# writes the compute dtype (bf16) and casts, as autocast's bf16 linear does; int8gic names it.
+gienv() { case $1 in int8gin) echo input ;; *) echo compute ;; esac; }
 # int8swiglu: int8 with each SwiGLU as one function, its gate's product and backward each one
-# Triton kernel with their quantizes (DTRAIN_INT8_SWIGLU=fused); int8all: that and int8gic.
+# Triton kernel with their quantizes (DTRAIN_INT8_SWIGLU=fused); int8all: the same now (it
+# added int8gic's compute-dtype grad-input before that became the default).
 swenv() { case $1 in int8swiglu|int8all) echo fused ;; *) echo linears ;; esac; }
 # Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
 with_env() { local p=$1; shift

@@ -147,29 +147,29 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
 
 
 def test_grad_input_dtype_is_read_once_said_once_and_checked(monkeypatch, caplog):
-    """DTRAIN_INT8_GRAD_INPUT: unset, every swapped layer writes grad-input in its input's
-    dtype; `compute` sets them all to the compute dtype, for either kernels, and says so; a bad
-    value stops the swap with one line naming the choices."""
+    """DTRAIN_INT8_GRAD_INPUT: unset, every swapped layer writes grad-input in the compute dtype
+    (the measured default); `input` sets them all to the input's dtype, for either kernels, and
+    says so; a bad value stops the swap with one line naming the choices."""
 
     def swapped(kernel=None) -> nn.Module:
         model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
         i8.apply_int8(model, lambda m, n: True, kernel=kernel)
         return model
 
-    assert {m.grad_input for m in swapped()} == {"input"}
-    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "Compute ")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert {m.grad_input for m in swapped()} == {"compute"}
+    assert not [r for r in caplog.records if "int8 grad-input" in r.getMessage()]
+    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "Input ")
     with caplog.at_level(logging.INFO, logger="dtrain"):
         model = swapped()
-    assert {m.grad_input for m in model} == {"compute"} and "grad_input=compute" in repr(model[0])
+    assert {m.grad_input for m in model} == {"input"} and "grad_input=input" in repr(model[0])
     said = [r.getMessage() for r in caplog.records if "int8 grad-input" in r.getMessage()]
-    assert said == [
-        "int8 grad-input: written in the compute dtype, then cast (DTRAIN_INT8_GRAD_INPUT)"
-    ]
+    assert said == ["int8 grad-input: written in the input's dtype (DTRAIN_INT8_GRAD_INPUT)"]
     fake_gpu(monkeypatch)
-    assert {m.grad_input for m in swapped(kernel="triton")} == {"compute"}
+    assert {m.grad_input for m in swapped(kernel="triton")} == {"input"}
     monkeypatch.setenv(i8.GRAD_INPUT_ENV, "sideways")
     with pytest.raises(
-        ConfigError, match="DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose input or compute"
+        ConfigError, match="DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose compute or input"
     ):
         swapped()
 

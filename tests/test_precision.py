@@ -185,11 +185,14 @@ def test_int8_grad_weight_bf16_is_more_accurate_and_grad_input_stays_int8():
 def test_int8_grad_input_in_the_compute_dtype_is_the_wide_one_rounded_once():
     """grad_input="compute" (DTRAIN_INT8_GRAD_INPUT): for an fp32 input under bf16 autocast the
     grad-input GEMM writes bf16, then the gradient is cast to fp32, as autocast's bf16 linear
-    does: the fp32-written gradient rounded to bf16, and nothing else changed."""
-    _, wide, compute, _ = _linear_outputs_and_grads(
-        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16"),
+    does: the fp32-written gradient rounded to bf16, and nothing else changed. It is the
+    default."""
+    _, wide, compute, default, _ = _linear_outputs_and_grads(
+        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16", grad_input="input"),
         lambda x, w: i8.int8_linear(x, w, grad_weight="bf16", grad_input="compute"),
+        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16"),
     )
+    assert all(torch.equal(c, d) for c, d in zip(compute, default, strict=True))
     assert compute[1].dtype == wide[1].dtype == torch.float32
     assert torch.equal(compute[1], wide[1].to(torch.bfloat16).float())
     assert not torch.equal(compute[1], wide[1])
