@@ -355,9 +355,11 @@ def test_swiglu_quantize_is_the_gate_then_the_row_quantize(r, c, dtype):
 def test_swiglu_backward_is_autogrades_gradients_and_their_quantizes(r, c, dtype):
     """ga, gb: autograd's gradients of silu(a) * b (within the interpreter's truncation in
     bf16), and the int8 codes and scales are exactly quantize_rowwise of the ga and gb the
-    kernel returned (its second sweep recomputes them bit for bit)."""
+    kernel returned, and w2's input codes and scales are swiglu_quantize's."""
     a, b, dh = _gate_operands(r, c, dtype)
-    ga, gb, gaq, gas, gbq, gbs = swt.swiglu_backward_quantize(dh, a, b)
+    ga, gb, gaq, gas, gbq, gbs, hq, hs = swt.swiglu_backward_quantize(dh, a, b)
+    fw_q, fw_s = swt.swiglu_quantize(a, b)
+    assert torch.equal(hq, fw_q) and torch.equal(hs, fw_s)
     a_ = a.clone().requires_grad_()
     b_ = b.clone().requires_grad_()
     (torch.nn.functional.silu(a_) * b_).backward(dh)
@@ -367,6 +369,63 @@ def test_swiglu_backward_is_autogrades_gradients_and_their_quantizes(r, c, dtype
     for g, q, s in ((ga, gaq, gas), (gb, gbq, gbs)):
         ref_q, ref_s = i8.quantize_rowwise(g)
         assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("r,c", [(5, 70), (33, 129), (3, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernels_one_pass_and_two_sweeps_are_the_same_bits(r, c, dtype):
+    """The one-pass kernels (the row one tile, as the ops take rows up to ONE_PASS_MAX) and the
+    two sweeps (several tiles of 64 here) compute every output with the same operations."""
+    a, b, dh = _gate_operands(r, c, dtype, seed=1)
+    assert c <= swt.ONE_PASS_MAX and swt._blocks(r, c, one_pass=False)[1] < c
+    one = (*swt.gate_quantize(a, b, one_pass=True), *swt.gate_backward_quantize(dh, a, b))
+    two = (
+        *swt.gate_quantize(a, b, one_pass=False),
+        *swt.gate_backward_quantize(dh, a, b, one_pass=False),
+    )
+    assert all(torch.equal(x, y) for x, y in zip(one, two, strict=True))
+    ops = (*swt.swiglu_quantize(a, b), *swt.swiglu_backward_quantize(dh, a, b))
+    assert all(torch.equal(x, y) for x, y in zip(one, ops, strict=True))
+
+
+def test_swiglu_kernels_take_one_pass_up_to_the_bound_and_two_sweeps_past_it(monkeypatch):
+    """The ops take the one-pass kernels for rows up to ONE_PASS_MAX values (then the row is
+    one tile), the two sweeps past it; the tiles are powers of two, 4 to 16 warps."""
+    seen = []
+    blocks = swt._blocks
+
+    def recorded(r, c, one_pass):
+        seen.append((c, one_pass))
+        return blocks(r, c, one_pass)
+
+    monkeypatch.setattr(swt, "_blocks", recorded)
+    monkeypatch.setattr(swt, "ONE_PASS_MAX", 64)
+    for c in (64, 65):
+        a, b, dh = _gate_operands(3, c, torch.float32)
+        swt.swiglu_quantize(a, b)
+        swt.swiglu_backward_quantize(dh, a, b)
+    assert seen == [(64, True), (64, True), (65, False), (65, False)]
+    monkeypatch.undo()
+    for c in (1, 300, 5632, 8192, 14336):
+        block_r, sweep_c, warps = swt._blocks(16384, c, one_pass=True)
+        row_c = 1 << (c - 1).bit_length()
+        assert 4 <= warps <= 16 and block_r * row_c >= min(4096, row_c)
+
+
+def test_swiglu_autotuning_offers_one_pass_only_up_to_the_bound():
+    """On a GPU autotuning chooses the tile: one-pass tiles only for rows up to ONE_PASS_MAX
+    (past it the backward spills), the sweeps only for rows longer than their tile."""
+
+    def offered(c):
+        row_c = 1 << (c - 1).bit_length()
+        kept = swt._prune(swt._CONFIGS, {}, ROW_C=row_c)
+        return {(k.kwargs["ONE_PASS"], k.kwargs["SWEEP_C"]) for k in kept}
+
+    assert offered(5632) == {(True, 1), (False, 2048), (False, 1024), (False, 512)}
+    assert offered(8192) == offered(5632)
+    assert offered(14336) == {(False, 2048), (False, 1024), (False, 512)}
+    assert offered(700) == {(True, 1), (False, 512)}
+    assert offered(64) == {(True, 1)}
 
 
 def test_swiglu_kernels_refuse_what_they_cannot_compute():

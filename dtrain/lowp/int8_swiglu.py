@@ -13,8 +13,11 @@ launched:
   - h = silu(a) * b is never written: w2 reads its int8 quantization, and SwitchBack's
     grad-weight of w2 dequantizes that, as the unfused w2 does from what it saved;
   - autograd's silu(a), saved for the product's backward, is not kept (a and b are, to
-    recompute it): F x 2 bytes a token less memory per layer (11 KiB at 1b) in eager mode;
-    compiled, AOTAutograd's partitioner chooses what the unfused gate saves;
+    recompute it), nor is w2's int8 input: the gate's backward kernel recomputes it with the
+    gradients, for w2's grad-weight. F x 3 bytes a token less memory per layer (16.5 KiB at
+    1b) than the eager layers keep; compiled, AOTAutograd's partitioner chooses what the
+    unfused gate saves (at 1b it recomputes h: the fused gate that kept hq had 2.06 GiB more
+    peak allocated, 24 layers x 16,384 tokens x 5,632 bytes, in the twenty-seventh session);
   - under torch.compile the two fused kernels are opaque custom ops, so Inductor cannot turn
     the gate's pointwise kernels into the looped row reductions that took 18.7 ms a step more
     than bf16's pointwise ones in the twenty-sixth session's 1b trace
@@ -63,17 +66,19 @@ def _swiglu_quantize(a, b, kernel: str, apart: bool):
     return i8._quantize(F.silu(a) * b, kernel, apart=apart)
 
 
-def _swiglu_backward(dh, a, b, kernel: str, apart_g: bool):
-    """(ga, gb, (gaq, gas), (gbq, gbs)): the gate's input gradients, as autograd computes them
-    for silu(a) * b, and their per-row quantizations."""
+def _swiglu_backward(dh, a, b, kernel: str, apart_g: bool, apart: bool):
+    """(ga, gb, (gaq, gas), (gbq, gbs), (hq, hs)): the gate's input gradients, as autograd
+    computes them for silu(a) * b, their per-row quantizations, and the forward's (hq, hs)
+    recomputed (`apart`: where the forward's quantize ran)."""
     if _fused(a, kernel):
-        ga, gb, gaq, gas, gbq, gbs = _triton_swiglu().swiglu_backward_quantize(dh, a, b)
-        return ga, gb, (gaq, gas), (gbq, gbs)
+        ga, gb, gaq, gas, gbq, gbs, hq, hs = _triton_swiglu().swiglu_backward_quantize(dh, a, b)
+        return ga, gb, (gaq, gas), (gbq, gbs), (hq, hs)
     s = F.silu(a)
     gb = dh * s
     ga = torch.ops.aten.silu_backward(dh * b, a)
     qa = i8._quantize(ga, kernel, apart=apart_g)
-    return ga, gb, qa, i8._quantize(gb, kernel, apart=apart_g)
+    qb = i8._quantize(gb, kernel, apart=apart_g)
+    return ga, gb, qa, qb, i8._quantize(s * b, kernel, apart=apart)
 
 
 class _Int8SwiGLUFn(torch.autograd.Function):
@@ -87,7 +92,10 @@ class _Int8SwiGLUFn(torch.autograd.Function):
         b = i8.mm_forward(xq, xs, w3, out_dtype, kernel, apart)
         hq, hs = _swiglu_quantize(a, b, kernel, apart)
         y = i8.mm_forward(hq, hs, w2, out_dtype, kernel, apart)  # (M, D)
-        ctx.save_for_backward(xq, xs, a, b, hq, hs, w1, w3, w2)
+        # hq is not kept: the backward recomputes it from a and b (the same bits), as the
+        # compiled three linears do, where the partitioner recomputes the gate's pointwise ops.
+        ctx.save_for_backward(xq, xs, a, b, w1, w3, w2)
+        ctx.apart = apart
         ctx.x_shape, ctx.x_dtype, ctx.out_dtype = shape, x.dtype, out_dtype
         ctx.int8_grad_weight, ctx.kernel = int8_grad_weight, kernel
         ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
@@ -95,19 +103,25 @@ class _Int8SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, xs, a, b, hq, hs, w1, w3, w2 = ctx.saved_tensors
+        xq, xs, a, b, w1, w3, w2 = ctx.saved_tensors
         kernel, int8_gw, cd = ctx.kernel, ctx.int8_grad_weight, ctx.out_dtype
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, D)
         dx = dw1 = dw3 = dw2 = None
-        if need_w2:
-            dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
         if not (need_x or need_w1 or need_w3):
+            if need_w2:
+                hq, hs = _swiglu_quantize(a, b, kernel, ctx.apart)
+                dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
             return dx, dw1, dw3, dw2, None, None, None, None, None
         # w2: its input h is in the compute dtype, so is dh (as the unfused w2's grad-input).
         gq, gs = i8._quantize(g, kernel, apart=ctx.apart_g)
         dh = i8.mm_grad_input(gq, gs, w2, cd, kernel, ctx.apart_w)  # (M, F)
-        ga, gb, (gaq, gas), (gbq, gbs) = _swiglu_backward(dh, a, b, kernel, ctx.apart_g)
+        ga, gb, (gaq, gas), (gbq, gbs), (hq, hs) = _swiglu_backward(
+            dh, a, b, kernel, ctx.apart_g, ctx.apart
+        )
+        if need_w2:
+            dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
+        del hq, hs
         if need_x:
             dx = i8.mm_grad_input(gaq, gas, w1, ctx.grad_x_dtype, kernel, ctx.apart_w)
             dx = dx.to(ctx.x_dtype) + i8.mm_grad_input(

@@ -7,19 +7,31 @@ quantizes of w1's and w3's output gradients, each one kernel.
         eager roundings (silu's output to a's dtype, then the product), quantized per row as
         int8.quantize_rowwise(h) does: hq (M, F) int8, hs (M, 1) fp32. h itself never reaches
         memory (w2 reads hq, and SwitchBack's grad-weight dequantizes it).
-    swiglu_backward_quantize(dh, a, b) -> (ga, gb, gaq, gas, gbq, gbs)
+    swiglu_backward_quantize(dh, a, b) -> (ga, gb, gaq, gas, gbq, gbs, hq, hs)
         dh = dL/dh (M, F). ga = dL/da and gb = dL/db as autograd computes them for
         silu(a) * b (dh * b through silu's backward, and dh * silu(a)), in a's dtype, and each
-        quantized per row.
+        quantized per row; and hq, hs recomputed, the same bits as swiglu_quantize's, for
+        w2's grad-weight (the forward's are not kept: silu(a) is computed here anyway, and
+        w2's int8 input would be M x F bytes a layer more memory than the three linears keep
+        under torch.compile, whose partitioner recomputes it from a and b).
 
 Why: under torch.compile Inductor fuses a quantize into the kernel that produces its input,
 and for these two that makes a row reduction over F = 5,632 values (1b) of a pointwise kernel,
 which Inductor loops, computing its inputs twice. The twenty-sixth session's 1b trace:
 21.5 ms a step for the gate's backward with the two quantizes (bf16's pointwise backward,
 7.0 ms) and 7.2 ms for the product with w2's quantize (3.0). Here each program takes
-BLOCK_R whole rows: a first sweep computes the values and their abs-max (and, backward,
-stores ga and gb, which SwitchBack's grad-weight reads), a second recomputes them from the
-same inputs, mostly in L2, and stores the int8 values.
+BLOCK_R whole rows, in one of two ways (autotuning chooses the way and the tile per shape,
+among _TILES):
+  - one pass, for rows of up to ONE_PASS_MAX values: the whole row is one tile, so its values
+    are computed once, kept in registers for the abs-max and quantized from there;
+  - two sweeps, for longer rows: a first computes the values and their abs-max, a second
+    recomputes them from the same inputs, mostly in L2, and stores the int8 values.
+Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. The
+twenty-seventh session's 1b trace put the two sweeps at 27.4 ms a step (backward) and 10.3
+(forward), slower than Inductor's looped reductions, with the one tile they had then
+(2 x 2,048 values at 8 warps): each value is loaded and computed twice (an exp and two IEEE
+divisions), plus the quantize's division, and the backward's 167 registers a thread leave
+room for one program a multiprocessor. One pass does each once.
 
 The arithmetic is PyTorch's CUDA kernels' (silu: x / (1 + exp(-x)); its backward:
 dy * s * (1 + x * (1 - s)) with s = 1 / (1 + exp(-x)), in fp32 with IEEE division and the
@@ -39,6 +51,7 @@ import triton.language as tl
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     INV_QMAX,
+    TUNE_KWARGS,
     libdevice,
     quantize_blocks,
     quantize_values,
@@ -84,28 +97,47 @@ def _product(a_ptr, b_ptr, rows, offs_c, ok, C):
 
 @triton.jit
 def _swiglu_quantize_kernel(
-    a_ptr, b_ptr, q_ptr, scale_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    a_ptr,
+    b_ptr,
+    q_ptr,
+    scale_ptr,
+    R,
+    C,
+    ROW_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SWEEP_C: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     offs_r, r_ok, rows = row_block(R, BLOCK_R)
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
+    if ONE_PASS:  # ROW_C >= C: each row is one tile, computed once
+        offs_c = tl.arange(0, ROW_C)
         ok = r_ok[:, None] & (offs_c < C)[None, :]
-        h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
-        amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
-    scale = row_scales(amax)
-    tl.store(scale_ptr + offs_r, scale, mask=r_ok)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        ok = r_ok[:, None] & (offs_c < C)[None, :]
-        h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
+        h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)  # 0 where masked: no effect on amax
+        scale = row_scales(tl.max(tl.abs(h), axis=1))
+        tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], quantize_values(h, scale), mask=ok)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            ok = r_ok[:, None] & (offs_c < C)[None, :]
+            h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
+            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+        scale = row_scales(amax)
+        tl.store(scale_ptr + offs_r, scale, mask=r_ok)
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            ok = r_ok[:, None] & (offs_c < C)[None, :]
+            h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
+            q = quantize_values(h, scale)
+            tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], q, mask=ok)
 
 
 @triton.jit
 def _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C):
-    """(ga, gb) in a's dtype: autograd's mul backward (dh * b, dh * silu(a), each rounded),
-    then silu's backward of the first, as PyTorch's kernels compute them."""
+    """(ga, gb, h): ga and gb in a's dtype, autograd's mul backward (dh * b, dh * silu(a), each
+    rounded), then silu's backward of the first, as PyTorch's kernels compute them; and the
+    forward's h = silu(a) * b in fp32, as _product computes it."""
     a, af = _load(a_ptr, rows, offs_c, ok, C)
     _, bf = _load(b_ptr, rows, offs_c, ok, C)
     _, dhf = _load(dh_ptr, rows, offs_c, ok, C)
@@ -114,7 +146,25 @@ def _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C):
     g_silu = (dhf * bf).to(a.dtype).to(tl.float32)
     gb = (dhf * s).to(a.dtype)
     ga = (g_silu * sig * (1.0 + af * (1.0 - sig))).to(a.dtype)
-    return ga, gb
+    return ga, gb, (s * bf).to(a.dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_gradients(ga_ptr, gb_ptr, ga, gb, rows, offs_c, ok, C):
+    out = rows[:, None] * C + offs_c[None, :]
+    tl.store(ga_ptr + out, ga, mask=ok)
+    tl.store(gb_ptr + out, gb, mask=ok)
+
+
+@triton.jit
+def _store_codes(q_ptr, v, scale, rows, offs_c, ok, C):
+    out = rows[:, None] * C + offs_c[None, :]
+    tl.store(q_ptr + out, quantize_values(v.to(tl.float32), scale), mask=ok)
+
+
+@triton.jit
+def _abs_max(g):
+    return tl.max(tl.abs(g.to(tl.float32)), axis=1)
 
 
 @triton.jit
@@ -128,36 +178,57 @@ def _swiglu_backward_quantize_kernel(
     gas_ptr,
     gbq_ptr,
     gbs_ptr,
+    hq_ptr,
+    hs_ptr,
     R,
     C,
+    ROW_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    SWEEP_C: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     offs_r, r_ok, rows = row_block(R, BLOCK_R)
-    amax_a = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    amax_b = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
+    if ONE_PASS:  # ROW_C >= C: each row is one tile, its values computed once
+        offs_c = tl.arange(0, ROW_C)
         ok = r_ok[:, None] & (offs_c < C)[None, :]
-        ga, gb = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)
-        out = rows[:, None] * C + offs_c[None, :]
-        tl.store(ga_ptr + out, ga, mask=ok)
-        tl.store(gb_ptr + out, gb, mask=ok)
-        amax_a = tl.maximum(amax_a, tl.max(tl.abs(ga.to(tl.float32)), axis=1))
-        amax_b = tl.maximum(amax_b, tl.max(tl.abs(gb.to(tl.float32)), axis=1))
-    scale_a = row_scales(amax_a)
-    scale_b = row_scales(amax_b)
+        ga, gb, h = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)  # 0 where masked
+        _store_gradients(ga_ptr, gb_ptr, ga, gb, rows, offs_c, ok, C)
+        scale_a = row_scales(_abs_max(ga))
+        scale_b = row_scales(_abs_max(gb))
+        scale_h = row_scales(_abs_max(h))
+    else:
+        amax_a = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        amax_b = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        amax_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            ok = r_ok[:, None] & (offs_c < C)[None, :]
+            ga, gb, h = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)
+            _store_gradients(ga_ptr, gb_ptr, ga, gb, rows, offs_c, ok, C)
+            amax_a = tl.maximum(amax_a, _abs_max(ga))
+            amax_b = tl.maximum(amax_b, _abs_max(gb))
+            amax_h = tl.maximum(amax_h, _abs_max(h))
+        scale_a = row_scales(amax_a)
+        scale_b = row_scales(amax_b)
+        scale_h = row_scales(amax_h)
     tl.store(gas_ptr + offs_r, scale_a, mask=r_ok)
     tl.store(gbs_ptr + offs_r, scale_b, mask=r_ok)
-    # Recomputed from dh, a and b rather than reloaded from ga and gb: the same operations give
-    # the same values, and no barrier is needed between this program's stores and its loads.
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        ok = r_ok[:, None] & (offs_c < C)[None, :]
-        ga, gb = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)
-        out = rows[:, None] * C + offs_c[None, :]
-        tl.store(gaq_ptr + out, quantize_values(ga.to(tl.float32), scale_a), mask=ok)
-        tl.store(gbq_ptr + out, quantize_values(gb.to(tl.float32), scale_b), mask=ok)
+    tl.store(hs_ptr + offs_r, scale_h, mask=r_ok)
+    if ONE_PASS:
+        _store_codes(gaq_ptr, ga, scale_a, rows, offs_c, ok, C)
+        _store_codes(gbq_ptr, gb, scale_b, rows, offs_c, ok, C)
+        _store_codes(hq_ptr, h, scale_h, rows, offs_c, ok, C)
+    else:
+        # Recomputed from dh, a and b rather than reloaded from ga and gb: the same operations
+        # give the same values, and no barrier is needed between this program's stores and
+        # its loads.
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            ok = r_ok[:, None] & (offs_c < C)[None, :]
+            ga, gb, h = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)
+            _store_codes(gaq_ptr, ga, scale_a, rows, offs_c, ok, C)
+            _store_codes(gbq_ptr, gb, scale_b, rows, offs_c, ok, C)
+            _store_codes(hq_ptr, h, scale_h, rows, offs_c, ok, C)
 
 
 def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
@@ -170,13 +241,132 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
     return first.shape
 
 
-def _launch(kernel, r: int, c: int, device, *args) -> None:
+# Rows up to this long may take the one-pass kernels: the row is one tile of
+# next_power_of_2(C) values (1b's 5,632 -> 8,192). Past it the backward spills: at 16,384 (8b's
+# 14,336) and 16 warps ptxas (sm_90a) reports 1,152 bytes of spill stores, at 8,192 none (128
+# registers a thread; the two sweeps' 2 x 2,048 tile at 8 warps takes 167).
+ONE_PASS_MAX = 8192
+# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
+# sweeps' 2 x 2,048 at 8 warps is the tile the twenty-seventh session's trace timed (27.4 ms a
+# 1b step backward): 167 registers a thread leave room for one program a multiprocessor, so
+# smaller tiles (fewer registers, more programs in flight) are in the list too. Registers a
+# thread of the backward for sm_90a (ptxas, none spilled): one pass of 8,192 at 8/16/32 warps
+# 254/128/64; sweeps 1 x 2,048 at 8 warps 80, 1 x 1,024 at 4 72, 1 x 512 at 4 48.
+_TILES = [
+    (True, 1, 1, 8),
+    (True, 1, 1, 16),
+    (True, 1, 1, 32),
+    (False, 2, 2048, 8),
+    (False, 1, 2048, 8),
+    (False, 1, 1024, 4),
+    (False, 1, 512, 4),
+]
+_CONFIGS = [
+    triton.Config({"ONE_PASS": one, "BLOCK_R": br, "SWEEP_C": sc}, num_warps=w)
+    for one, br, sc, w in _TILES
+]
+
+
+def _prune(configs, named_args, **kwargs):
+    """One pass only for rows up to ONE_PASS_MAX; the sweeps only for rows longer than a tile."""
+    row_c = kwargs["ROW_C"]  # next_power_of_2(C) <= ONE_PASS_MAX, or else > every SWEEP_C
+    return [
+        c
+        for c in configs
+        if (row_c <= ONE_PASS_MAX if c.kwargs["ONE_PASS"] else c.kwargs["SWEEP_C"] < row_c)
+    ]
+
+
+def _tuned(kernel):
+    return triton.autotune(
+        configs=_CONFIGS,
+        key=["R", "C"],
+        prune_configs_by={"early_config_prune": _prune},
+        **TUNE_KWARGS,
+    )(kernel)
+
+
+_swiglu_quantize_tuned = _tuned(_swiglu_quantize_kernel)
+_swiglu_backward_quantize_tuned = _tuned(_swiglu_backward_quantize_kernel)
+
+
+def tuned_configs() -> dict:
+    """{"forward" or "backward": {(R, C, dtypes...): the config autotuning chose}} so far."""
+    return {
+        name: {k: str(v) for k, v in getattr(tuned, "cache", {}).items()}
+        for name, tuned in (
+            ("forward", _swiglu_quantize_tuned),
+            ("backward", _swiglu_backward_quantize_tuned),
+        )
+    }
+
+
+def _blocks(r: int, c: int, one_pass: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, SWEEP_C, num_warps) of a fixed launch: one pass (whole rows, at least 4096
+    values a tile) or the two sweeps (int8_triton.quantize_blocks' tiles)."""
+    if one_pass:
+        row_c = triton.next_power_of_2(c)
+        block_r = min(triton.next_power_of_2(r), max(1, 4096 // row_c))
+        return block_r, 1, min(16, max(4, block_r * row_c // 512))
     block_r, block_c, warps = quantize_blocks(r, c, rows_contiguous=True)
-    if INTERPRET:
+    if INTERPRET:  # small tiles, so the tests' short rows take several sweeps
         block_r, block_c = min(block_r, 16), min(block_c, 64)
-    grid = (triton.cdiv(r, block_r),)
+    return block_r, block_c, warps
+
+
+def _launch(kernel, tuned, r: int, c: int, one_pass: bool | None, device, *args) -> None:
+    """Runs `kernel` over (r, c): autotuned on a GPU when one_pass is None, else (and in the
+    interpreter: one pass up to ONE_PASS_MAX) a fixed tile."""
+    row_c = triton.next_power_of_2(c)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](*args, r, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        if one_pass is None and not INTERPRET:
+            grid = lambda meta: (triton.cdiv(r, meta["BLOCK_R"]),)  # noqa: E731
+            tuned[grid](*args, r, c, ROW_C=row_c)
+            return
+        one_pass = c <= ONE_PASS_MAX if one_pass is None else one_pass
+        block_r, sweep_c, warps = _blocks(r, c, one_pass)
+        kernel[(triton.cdiv(r, block_r),)](
+            *args,
+            r,
+            c,
+            ROW_C=row_c,
+            BLOCK_R=block_r,
+            SWEEP_C=sweep_c,
+            ONE_PASS=one_pass,
+            num_warps=warps,
+        )
+
+
+def gate_quantize(a, b, *, one_pass: bool | None = None):
+    """swiglu_quantize's computation; `one_pass` (True or False) forces a fixed tile of one
+    pass or two sweeps (tests and benchmarks), else autotuning chooses."""
+    r, c = _check("swiglu_quantize", a, b)
+    a, b = a.contiguous(), b.contiguous()
+    q = torch.empty((r, c), dtype=torch.int8, device=a.device)
+    scale = torch.empty((r, 1), dtype=torch.float32, device=a.device)
+    if r and c:
+        tuned = _swiglu_quantize_tuned
+        _launch(_swiglu_quantize_kernel, tuned, r, c, one_pass, a.device, a, b, q, scale)
+    elif r:
+        scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0
+    return q, scale
+
+
+def gate_backward_quantize(dh, a, b, *, one_pass: bool | None = None):
+    """swiglu_backward_quantize's computation; `one_pass` as gate_quantize's."""
+    r, c = _check("swiglu_backward_quantize", dh, a, b)
+    dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
+    ga, gb = torch.empty_like(a), torch.empty_like(a)
+    gaq, gbq, hq = (torch.empty((r, c), dtype=torch.int8, device=a.device) for _ in range(3))
+    gas, gbs, hs = (torch.empty((r, 1), dtype=torch.float32, device=a.device) for _ in range(3))
+    if r and c:
+        args = (dh, a, b, ga, gb, gaq, gas, gbq, gbs, hq, hs)
+        kernel, tuned = _swiglu_backward_quantize_kernel, _swiglu_backward_quantize_tuned
+        _launch(kernel, tuned, r, c, one_pass, a.device, *args)
+    elif r:
+        for scale in (gas, gbs, hs):
+            scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0
+    return ga, gb, gaq, gas, gbq, gbs, hq, hs
 
 
 @torch.library.custom_op(
@@ -185,15 +375,7 @@ def _launch(kernel, r: int, c: int, device, *args) -> None:
     schema="(Tensor a, Tensor b) -> (Tensor, Tensor)",
 )
 def swiglu_quantize(a, b):
-    r, c = _check("swiglu_quantize", a, b)
-    a, b = a.contiguous(), b.contiguous()
-    q = torch.empty((r, c), dtype=torch.int8, device=a.device)
-    scale = torch.empty((r, 1), dtype=torch.float32, device=a.device)
-    if r and c:
-        _launch(_swiglu_quantize_kernel, r, c, a.device, a, b, q, scale)
-    elif r:
-        scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0
-    return q, scale
+    return gate_quantize(a, b)
 
 
 @swiglu_quantize.register_fake
@@ -205,29 +387,16 @@ def _(a, b):
 @torch.library.custom_op(
     "dtrain::int8_swiglu_backward_quantize",
     mutates_args=(),
-    schema="(Tensor dh, Tensor a, Tensor b) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    schema="(Tensor dh, Tensor a, Tensor b) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def swiglu_backward_quantize(dh, a, b):
-    r, c = _check("swiglu_backward_quantize", dh, a, b)
-    dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
-    ga, gb = torch.empty_like(a), torch.empty_like(a)
-    gaq = torch.empty((r, c), dtype=torch.int8, device=a.device)
-    gbq = torch.empty_like(gaq)
-    gas = torch.empty((r, 1), dtype=torch.float32, device=a.device)
-    gbs = torch.empty_like(gas)
-    if r and c:
-        _launch(
-            _swiglu_backward_quantize_kernel, r, c, a.device, dh, a, b, ga, gb, gaq, gas, gbq, gbs
-        )
-    elif r:
-        gas.fill_(1e-12).mul_(INV_QMAX.value)
-        gbs.fill_(1e-12).mul_(INV_QMAX.value)
-    return ga, gb, gaq, gas, gbq, gbs
+    return gate_backward_quantize(dh, a, b)
 
 
 @swiglu_backward_quantize.register_fake
 def _(dh, a, b):
     r, c = a.shape
-    q = a.new_empty((r, c), dtype=torch.int8)
-    s = a.new_empty((r, 1), dtype=torch.float32)
-    return a.new_empty((r, c)), a.new_empty((r, c)), q, s, q.new_empty((r, c)), s.new_empty((r, 1))
+    q = [a.new_empty((r, c), dtype=torch.int8) for _ in range(3)]
+    s = [a.new_empty((r, 1), dtype=torch.float32) for _ in range(3)]
+    return a.new_empty((r, c)), a.new_empty((r, c)), q[0], s[0], q[1], s[1], q[2], s[2]

@@ -241,17 +241,17 @@ def _bench_or_skip(kernel_call, quantiles):
         return [float("inf")] * len(quantiles)
 
 
-_tune_kwargs: dict = {}
-_tune_params = inspect.signature(triton.autotune).parameters
-if "do_bench" in _tune_params:  # Triton >= 3.2
-    _tune_kwargs["do_bench"] = _bench_or_skip
-if "cache_results" in _tune_params:  # the choice per shape kept on disk: a second run skips it
-    _tune_kwargs["cache_results"] = True
+TUNE_KWARGS: dict = {}
+_TUNE_PARAMS = inspect.signature(triton.autotune).parameters
+if "do_bench" in _TUNE_PARAMS:  # Triton >= 3.2
+    TUNE_KWARGS["do_bench"] = _bench_or_skip
+if "cache_results" in _TUNE_PARAMS:  # the choice per shape kept on disk: a second run skips it
+    TUNE_KWARGS["cache_results"] = True
 _int8_mm_tuned = triton.autotune(
     configs=[*_BIG_CONFIGS, _SMALL_CONFIG],
     key=["M", "N", "K"],
     prune_configs_by={"early_config_prune": _prune},
-    **_tune_kwargs,
+    **TUNE_KWARGS,
 )(_int8_mm_kernel)
 
 
@@ -394,7 +394,7 @@ def _int8_mm_tma_kernel(
         )
 
 
-_int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **_tune_kwargs)(
+_int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **TUNE_KWARGS)(
     _int8_mm_tma_kernel
 )
 

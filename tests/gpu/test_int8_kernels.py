@@ -297,12 +297,14 @@ def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
 # --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------
 
 
-@pytest.mark.parametrize("r,c", [(16384, 5632), (1000, 700), (3, 5)])
-def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c):
-    """The gate's two fused kernels against eager CUDA ops on bf16: PyTorch's silu formulas
-    with the same exp, so the same bits but where a compiler's fused multiply-adds round
-    differently (at most a thousandth of the values, by one step); the int8 codes are exactly
-    the row quantize of the gradients the kernel returned."""
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("r,c", [(16384, 5632), (1024, 14336), (1000, 700), (3, 5)])
+def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c, one_pass):
+    """The gate's two fused kernels, one pass and two sweeps, at 1b's and 8b's rows, against
+    eager CUDA ops on bf16: PyTorch's silu formulas with the same exp, so the same bits but
+    where a compiler's fused multiply-adds round differently (at most a thousandth of the
+    values, by one step); the int8 codes are exactly the row quantize of the gradients the
+    kernel returned, and the backward's codes of h are the forward's."""
     import torch.nn.functional as F
 
     from dtrain.lowp import int8_swiglu_triton as swt
@@ -311,12 +313,13 @@ def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c):
     a, b, dh = (
         (s * torch.randn(r, c, device="cuda", generator=g)).bfloat16() for s in (3.0, 1.0, 0.1)
     )
-    hq, hs = swt.swiglu_quantize(a, b)
+    hq, hs = swt.gate_quantize(a, b, one_pass=one_pass)
     ref_q, ref_s = i8.quantize_rowwise(F.silu(a) * b)
     assert (hq.int() - ref_q.int()).abs().max() <= 1
     assert (hq != ref_q).float().mean() <= 1e-3
     torch.testing.assert_close(hs, ref_s, rtol=2**-7, atol=0)
-    ga, gb, gaq, gas, gbq, gbs = swt.swiglu_backward_quantize(dh, a, b)
+    ga, gb, gaq, gas, gbq, gbs, hq2, hs2 = swt.gate_backward_quantize(dh, a, b, one_pass=one_pass)
+    assert torch.equal(hq2, hq) and torch.equal(hs2, hs)  # w2's input, recomputed: the same bits
     a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
     (F.silu(a_) * b_).backward(dh)
     for got, ref in ((ga, a_.grad), (gb, b_.grad)):
@@ -326,6 +329,28 @@ def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c):
     for grad, q, s in ((ga, gaq, gas), (gb, gbq, gbs)):
         ref_q, ref_s = i8.quantize_rowwise(grad)
         assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("r,c", [(4096, 5632), (512, 14336)])
+def test_swiglu_kernels_one_pass_and_two_sweeps_are_the_same_bits(r, c):
+    """Both ways run the same jitted arithmetic, compiled: every output the same bits, and
+    the ops' (autotuned among both ways' tiles) too."""
+    from dtrain.lowp import int8_swiglu_triton as swt
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a, b, dh = (
+        (s * torch.randn(r, c, device="cuda", generator=g)).bfloat16() for s in (3.0, 1.0, 0.1)
+    )
+    one, two = (
+        (*swt.gate_quantize(a, b, one_pass=p), *swt.gate_backward_quantize(dh, a, b, one_pass=p))
+        for p in (True, False)
+    )
+    assert all(torch.equal(x, y) for x, y in zip(one, two, strict=True))
+    tuned = (*swt.swiglu_quantize(a, b), *swt.swiglu_backward_quantize(dh, a, b))
+    assert all(torch.equal(x, y) for x, y in zip(one, tuned, strict=True))
+    chosen = swt.tuned_configs()
+    assert any(k[:2] == (r, c) for k in chosen["forward"]), chosen
+    assert any(k[:2] == (r, c) for k in chosen["backward"]), chosen
 
 
 def _bf16_steps_apart(x: torch.Tensor, ref: torch.Tensor) -> int:
