@@ -3,6 +3,7 @@ per matmul and end to end, every ratio against the bf16 of the same call.
 
     python bench/int8_kernels.py --out $OUT            # ~5 min on one H100: both parts
     python bench/int8_kernels.py --out $OUT --part micro   # the matmuls and quantizes only
+    python bench/int8_kernels.py --out $OUT --part micro --gate-only  # the SwiGLU gate only
     python bench/int8_kernels.py --out $OUT --part e2e     # the three training runs only
     python bench/int8_kernels.py --smoke --out /tmp/x  # tiny, on CPU (a test runs it)
 
@@ -16,7 +17,10 @@ per matmul and end to end, every ratio against the bf16 of the same call.
                  q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
    and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
    int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
-   gradients, weights and transposed weights: eager, torch.compile'd, the Triton kernel.
+   gradients, weights and transposed weights: eager, torch.compile'd, the Triton kernel; and
+   the SwiGLU gate of each model's FFN with its quantizes (DTRAIN_INT8_SWIGLU), forward and
+   backward: bf16 alone (eager, compiled), compiled with the quantizes (what Inductor fuses
+   for the three Int8Linear layers) and dtrain's Triton kernels, one pass and two sweeps.
 2. End to end: launch/train.py with model=1b, one GPU, seq 2048, micro-batch 8, synthetic
    tokens, 40 steps (bench/common.sh's settings; tokens/s is the median of the 10-step
    intervals after the first, which holds compilation): precision=bf16, precision=int8 with
@@ -312,6 +316,74 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
     return out
 
 
+def bench_gate(models, device, with_triton: bool) -> list[dict]:
+    """Each model's SwiGLU gate, forward (silu(a) * b, then w2's input quantize) and backward
+    (autograd's gradients of a and b, then their quantizes), ms per call on bf16 (M, F)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtrain.lowp import int8 as i8
+
+    torch._dynamo.config.cache_size_limit = 64
+    ms = _timer(device)
+
+    def fw(a, b):
+        return F.silu(a) * b
+
+    def bw(dh, a, b):  # autograd's: the product's backward, then silu's
+        return torch.ops.aten.silu_backward(dh * b, a), dh * F.silu(a)
+
+    def fw_q(a, b):
+        return i8.quantize_rowwise(fw(a, b))
+
+    def bw_q(dh, a, b):
+        ga, gb = bw(dh, a, b)
+        return ga, gb, i8.quantize_rowwise(ga), i8.quantize_rowwise(gb)
+
+    def compiled(fn):
+        return torch.compile(fn, dynamic=False)
+
+    variants = {
+        "forward": {
+            "bf16_eager": fw,
+            "bf16_compiled": compiled(fw),
+            "quant_compiled": compiled(fw_q),
+        },
+        "backward": {
+            "bf16_eager": bw,
+            "bf16_compiled": compiled(bw),
+            "quant_compiled": compiled(bw_q),
+        },
+    }
+    if with_triton:
+        from dtrain.lowp import int8_swiglu_triton as swt
+
+        for one_pass, name in (
+            (None, "triton_tuned"),
+            (True, "triton_one_pass"),
+            (False, "triton_two_sweeps"),
+        ):
+            variants["forward"][name] = partial(swt.gate_quantize, one_pass=one_pass)
+            variants["backward"][name] = partial(swt.gate_backward_quantize, one_pass=one_pass)
+    out = []
+    for model, spec in models.items():
+        lin = spec["linears"]
+        m, f = spec["tokens"], lin.get("w1,w3", lin.get("w1"))[0]
+        g = torch.Generator(device=device).manual_seed(0)
+        a, b, dh = (
+            (s * torch.randn(m, f, device=device, generator=g)).bfloat16() for s in (3.0, 1.0, 0.1)
+        )
+        for direction, fns in variants.items():
+            log(f"gate {model} {direction} {m}x{f}")
+            args = (a, b) if direction == "forward" else (dh, a, b)
+            res = {"model": model, "pass": direction, "shape": [m, f]}
+            for name, fn in fns.items():
+                res[f"{name}_ms"] = _try(_first_then_time, ms, partial(fn, *args))
+            out.append(res)
+        del a, b, dh
+    return out
+
+
 def part_micro(args) -> dict:
     import torch
 
@@ -333,14 +405,22 @@ def part_micro(args) -> dict:
         )
     log(f"micro: {info}")
     res = {"info": info}
+    if args.gate_only:
+        res["gate"] = bench_gate(models, device, with_triton)
+        return res
     res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
     if not args.gemms_only:
         res["linears"] = bench_linears(models, device, with_triton)
         res["quantize"] = bench_quantize(models, device, with_triton)
+        res["gate"] = bench_gate(models, device, with_triton)
     if with_triton:
+        from dtrain.lowp import int8_swiglu_triton as swt
         from dtrain.lowp import int8_triton as it
 
-        res["autotuned"] = it.tuned_configs()
+        res["autotuned"] = {
+            **it.tuned_configs(),
+            **{f"gate {k}": v for k, v in swt.tuned_configs().items()},
+        }
     return res
 
 
@@ -503,6 +583,28 @@ def render(res: dict) -> str:
                 + "|"
             )
         lines.append("")
+    gate = res.get("micro", {}).get("gate", [])
+    if gate:
+        names = ("bf16_eager", "bf16_compiled", "quant_compiled", "triton_tuned")
+        names += ("triton_one_pass", "triton_two_sweeps")
+        lines += [
+            "## SwiGLU gate with its quantizes (ms per call, bf16 (M, F))",
+            "",
+            "Triton: autotuned (the ops training calls; the tile chosen is in the JSON's "
+            "`autotuned`), and each way's fixed tile (one pass forced on 8b's row spills "
+            "registers: autotuning never offers it there).",
+            "",
+            "| model | pass | M x F | bf16 eager | bf16 compiled | + quantizes, compiled "
+            "| triton, tuned | triton, one pass | triton, two sweeps |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in gate:
+            lines.append(
+                f"| {r['model']} | {r['pass']} | {r['shape'][0]} x {r['shape'][1]} "
+                + "".join(f"| {_f(r.get(f'{n}_ms'))} " for n in names)
+                + "|"
+            )
+        lines.append("")
     e2e = res.get("e2e", [])
     if e2e:
         lines += [
@@ -550,6 +652,7 @@ def main() -> None:
     p.add_argument("--part", choices=["all", "micro", "e2e"], default="all")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and model, on CPU")
     p.add_argument("--gemms-only", action="store_true", help="micro: the GEMMs alone")
+    p.add_argument("--gate-only", action="store_true", help="micro: the SwiGLU gate alone")
     p.add_argument("--e2e-steps", type=int, default=40)
     p.add_argument("--e2e-runs", default=",".join(E2E_RUNS))
     p.add_argument("--e2e-timeout", type=int, default=300, help="seconds per training run")
@@ -570,6 +673,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--out", str(args.out), "--micro-json", str(child)]
         cmd += ["--smoke"] if args.smoke else []
         cmd += ["--gemms-only"] if args.gemms_only else []
+        cmd += ["--gate-only"] if args.gate_only else []
         log("part 1: matmuls and quantizes")
         rc = subprocess.run(cmd, cwd=ROOT, timeout=900).returncode
         if rc == 0 and child.exists():

@@ -30,5 +30,14 @@ def test_int8_kernels_bench_smoke(tmp_path):
     assert bf16["tokens_per_s"] > 0 and int8["speed_vs_bf16"] > 0
     # On CPU the forced Triton path falls back, and the run says so in its one line.
     assert int8["int8_line"] == "int8 matmuls: torch._int_mm (no CUDA device)"
+    gate = out["micro"]["gate"]
+    assert [(r["model"], r["pass"], r["shape"]) for r in gate] == [
+        ("tiny", "forward", [128, 96]),
+        ("tiny", "backward", [128, 96]),
+    ]
+    for r in gate:  # no Triton on CPU: its columns are absent, the others timed
+        assert all(r[f"{v}_ms"] > 0 for v in ("bf16_eager", "bf16_compiled", "quant_compiled"))
+        assert "triton_one_pass_ms" not in r
     md = (tmp_path / "int8_kernels.md").read_text()
     assert "| tiny | w1 | forward |" in md and "| int8_triton |" in md
+    assert "| tiny | backward | 128 x 96 |" in md
