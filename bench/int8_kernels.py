@@ -336,9 +336,9 @@ def bench_gate(models, device, with_triton: bool) -> list[dict]:
     def fw_q(a, b):
         return i8.quantize_rowwise(fw(a, b))
 
-    def bw_q(dh, a, b):
+    def bw_q(dh, a, b):  # and w2's input recomputed, as the compiled linears and the kernel do
         ga, gb = bw(dh, a, b)
-        return ga, gb, i8.quantize_rowwise(ga), i8.quantize_rowwise(gb)
+        return ga, gb, i8.quantize_rowwise(ga), i8.quantize_rowwise(gb), fw_q(a, b)
 
     def compiled(fn):
         return torch.compile(fn, dynamic=False)
@@ -407,12 +407,12 @@ def part_micro(args) -> dict:
     res = {"info": info}
     if args.gate_only:
         res["gate"] = bench_gate(models, device, with_triton)
-        return res
-    res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
-    if not args.gemms_only:
-        res["linears"] = bench_linears(models, device, with_triton)
-        res["quantize"] = bench_quantize(models, device, with_triton)
-        res["gate"] = bench_gate(models, device, with_triton)
+    else:
+        res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
+        if not args.gemms_only:
+            res["linears"] = bench_linears(models, device, with_triton)
+            res["quantize"] = bench_quantize(models, device, with_triton)
+            res["gate"] = bench_gate(models, device, with_triton)
     if with_triton:
         from dtrain.lowp import int8_swiglu_triton as swt
         from dtrain.lowp import int8_triton as it

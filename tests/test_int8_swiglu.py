@@ -153,9 +153,13 @@ def test_fused_swiglu_compiles_in_one_graph():
         assert torch.equal(g, p.grad)  # aot_eager runs the same eager ops
 
 
-def test_only_the_gradients_asked_for_are_computed_and_they_are_the_linears():
-    """A frozen weight (or an input without grad) gets no gradient, and the others are the
-    unfused layers' bit for bit (the backward skips what autograd does not need)."""
+@pytest.mark.parametrize(
+    "frozen", [("w1",), ("w2",), ("w1", "w3"), ("w1", "w3", "x"), ("w2", "x")], ids="-".join
+)
+def test_only_the_gradients_asked_for_are_computed_and_they_are_the_linears(frozen):
+    """Frozen weights (and an input without grad) get no gradient, and the others are the
+    unfused layers' bit for bit: the backward skips what autograd does not need, and with w2's
+    gradient alone it recomputes w2's input without the gate's backward."""
     cfg = ModelConfig(d_model=64, ffn_hidden=192)
     torch.manual_seed(0)
     ref = FeedForward(cfg)
@@ -163,18 +167,22 @@ def test_only_the_gradients_asked_for_are_computed_and_they_are_the_linears():
     fused.load_state_dict(ref.state_dict())
     for m in (ref, fused):
         i8.apply_int8(m, lambda m, n: True, grad_weight="bf16")
-        m.w1.weight.requires_grad_(False)
+        for name in frozen:
+            if name != "x":
+                getattr(m, name).weight.requires_grad_(False)
     assert sw.fuse_swiglu(fused) == 1
-    x = torch.randn(4, 16, 64, requires_grad=True)
+    x = torch.randn(4, 16, 64, requires_grad="x" not in frozen)
     grads = []
     for m in (ref, fused):
         x.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             m(x).float().pow(2).mean().backward()
-        assert m.w1.weight.grad is None
-        grads.append([x.grad.clone(), m.w3.weight.grad, m.w2.weight.grad])
-    for r, f in zip(*grads, strict=True):
-        assert torch.equal(r, f)
+        got = {n: getattr(m, n).weight.grad for n in ("w1", "w3", "w2")}
+        got["x"] = None if x.grad is None else x.grad.clone()
+        assert {n for n, g in got.items() if g is None} == set(frozen)
+        grads.append(got)
+    for name, r in grads[0].items():
+        assert r is None or torch.equal(r, grads[1][name]), name
 
 
 def test_fused_swiglu_trains_as_the_linears_alone_and_under_fsdp(tmp_path):

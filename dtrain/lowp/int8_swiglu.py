@@ -92,7 +92,8 @@ class _Int8SwiGLUFn(torch.autograd.Function):
         b = i8.mm_forward(xq, xs, w3, out_dtype, kernel, apart)
         hq, hs = _swiglu_quantize(a, b, kernel, apart)
         y = i8.mm_forward(hq, hs, w2, out_dtype, kernel, apart)  # (M, D)
-        # hq is not kept: the backward recomputes it from a and b (the same bits), as the
+        # hq is not kept: the backward recomputes it from a and b (the same bits eagerly and
+        # on the Triton kernels; compiled, Inductor may round silu differently), as the
         # compiled three linears do, where the partitioner recomputes the gate's pointwise ops.
         ctx.save_for_backward(xq, xs, a, b, w1, w3, w2)
         ctx.apart = apart

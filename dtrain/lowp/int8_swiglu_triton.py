@@ -24,14 +24,15 @@ BLOCK_R whole rows, in one of two ways (autotuning chooses the way and the tile 
 among _TILES):
   - one pass, for rows of up to ONE_PASS_MAX values: the whole row is one tile, so its values
     are computed once, kept in registers for the abs-max and quantized from there;
-  - two sweeps, for longer rows: a first computes the values and their abs-max, a second
-    recomputes them from the same inputs, mostly in L2, and stores the int8 values.
+  - two sweeps, for rows of any length (past ONE_PASS_MAX the only way): a first computes
+    the values and their abs-max, a second recomputes them from the same inputs, mostly in
+    L2, and stores the int8 values.
 Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. The
 twenty-seventh session's 1b trace put the two sweeps at 27.4 ms a step (backward) and 10.3
 (forward), slower than Inductor's looped reductions, with the one tile they had then
 (2 x 2,048 values at 8 warps): each value is loaded and computed twice (an exp and two IEEE
-divisions), plus the quantize's division, and the backward's 167 registers a thread leave
-room for one program a multiprocessor. One pass does each once.
+divisions), plus the quantize's division, and the backward's 97 registers a thread (ptxas
+for sm_90a) leave room for two programs of 8 warps a multiprocessor. One pass does each once.
 
 The arithmetic is PyTorch's CUDA kernels' (silu: x / (1 + exp(-x)); its backward:
 dy * s * (1 + x * (1 - s)) with s = 1 / (1 + exp(-x)), in fp32 with IEEE division and the
@@ -96,6 +97,17 @@ def _product(a_ptr, b_ptr, rows, offs_c, ok, C):
 
 
 @triton.jit
+def _store_codes(q_ptr, v, scale, rows, offs_c, ok, C):
+    out = rows[:, None] * C + offs_c[None, :]
+    tl.store(q_ptr + out, quantize_values(v.to(tl.float32), scale), mask=ok)
+
+
+@triton.jit
+def _abs_max(g):
+    return tl.max(tl.abs(g.to(tl.float32)), axis=1)
+
+
+@triton.jit
 def _swiglu_quantize_kernel(
     a_ptr,
     b_ptr,
@@ -113,24 +125,23 @@ def _swiglu_quantize_kernel(
         offs_c = tl.arange(0, ROW_C)
         ok = r_ok[:, None] & (offs_c < C)[None, :]
         h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)  # 0 where masked: no effect on amax
-        scale = row_scales(tl.max(tl.abs(h), axis=1))
+        scale = row_scales(_abs_max(h))
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
-        tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], quantize_values(h, scale), mask=ok)
+        _store_codes(q_ptr, h, scale, rows, offs_c, ok, C)
     else:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
             ok = r_ok[:, None] & (offs_c < C)[None, :]
             h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
-            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+            amax = tl.maximum(amax, _abs_max(h))
         scale = row_scales(amax)
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
             ok = r_ok[:, None] & (offs_c < C)[None, :]
             h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
-            q = quantize_values(h, scale)
-            tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], q, mask=ok)
+            _store_codes(q_ptr, h, scale, rows, offs_c, ok, C)
 
 
 @triton.jit
@@ -154,17 +165,6 @@ def _store_gradients(ga_ptr, gb_ptr, ga, gb, rows, offs_c, ok, C):
     out = rows[:, None] * C + offs_c[None, :]
     tl.store(ga_ptr + out, ga, mask=ok)
     tl.store(gb_ptr + out, gb, mask=ok)
-
-
-@triton.jit
-def _store_codes(q_ptr, v, scale, rows, offs_c, ok, C):
-    out = rows[:, None] * C + offs_c[None, :]
-    tl.store(q_ptr + out, quantize_values(v.to(tl.float32), scale), mask=ok)
-
-
-@triton.jit
-def _abs_max(g):
-    return tl.max(tl.abs(g.to(tl.float32)), axis=1)
 
 
 @triton.jit
@@ -243,15 +243,17 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
 
 # Rows up to this long may take the one-pass kernels: the row is one tile of
 # next_power_of_2(C) values (1b's 5,632 -> 8,192). Past it the backward spills: at 16,384 (8b's
-# 14,336) and 16 warps ptxas (sm_90a) reports 1,152 bytes of spill stores, at 8,192 none (128
-# registers a thread; the two sweeps' 2 x 2,048 tile at 8 warps takes 167).
+# 14,336) ptxas (sm_90a) spills 136 bytes a thread at 16 warps and 128 at 32, and at 8 warps
+# takes 248 registers, one program a multiprocessor; at 8,192 it spills nothing
+# (tests/test_int8_triton.py compiles every tile and checks).
 ONE_PASS_MAX = 8192
 # (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
 # sweeps' 2 x 2,048 at 8 warps is the tile the twenty-seventh session's trace timed (27.4 ms a
-# 1b step backward): 167 registers a thread leave room for one program a multiprocessor, so
-# smaller tiles (fewer registers, more programs in flight) are in the list too. Registers a
-# thread of the backward for sm_90a (ptxas, none spilled): one pass of 8,192 at 8/16/32 warps
-# 254/128/64; sweeps 1 x 2,048 at 8 warps 80, 1 x 1,024 at 4 72, 1 x 512 at 4 48.
+# 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
+# tiles (fewer registers, more programs in flight) are in the list too. Registers a thread of
+# today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
+# spilled): one pass of 8,192 at 8/16/32 warps 159/94/52; sweeps 2 x 2,048 at 8 warps 106,
+# 1 x 2,048 at 8 56, 1 x 1,024 at 4 55, 1 x 512 at 4 39.
 _TILES = [
     (True, 1, 1, 8),
     (True, 1, 1, 16),
@@ -302,8 +304,9 @@ def tuned_configs() -> dict:
 
 
 def _blocks(r: int, c: int, one_pass: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, SWEEP_C, num_warps) of a fixed launch: one pass (whole rows, at least 4096
-    values a tile) or the two sweeps (int8_triton.quantize_blocks' tiles)."""
+    """(BLOCK_R, SWEEP_C, num_warps) of a fixed launch: one pass (whole rows, as many as make
+    4096 values a tile where there are that many) or the two sweeps (int8_triton.quantize_blocks'
+    tiles)."""
     if one_pass:
         row_c = triton.next_power_of_2(c)
         block_r = min(triton.next_power_of_2(r), max(1, 4096 // row_c))
