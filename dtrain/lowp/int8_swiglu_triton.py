@@ -53,6 +53,7 @@ from dtrain.lowp.int8_triton import (
     INTERPRET,
     INV_QMAX,
     TUNE_KWARGS,
+    chosen_configs,
     libdevice,
     quantize_blocks,
     quantize_values,
@@ -87,13 +88,21 @@ def _load(ptr, rows, offs_c, ok, C):
 
 
 @triton.jit
+def _gate(a, af, bf):
+    """(sigmoid(a), s = silu(a), h = s * b) in fp32, s and h each rounded to a's dtype as eager
+    rounds them: the forward's h and the backward's recomputed one are these same operations."""
+    sig, s = _sigmoid_silu(af)
+    s = s.to(a.dtype).to(tl.float32)
+    return sig, s, (s * bf).to(a.dtype).to(tl.float32)
+
+
+@triton.jit
 def _product(a_ptr, b_ptr, rows, offs_c, ok, C):
-    """h = silu(a) * b, each op rounded to the inputs' dtype as eager's, returned in fp32."""
+    """h = silu(a) * b, as _gate rounds it, in fp32."""
     a, af = _load(a_ptr, rows, offs_c, ok, C)
     _, bf = _load(b_ptr, rows, offs_c, ok, C)
-    _, s = _sigmoid_silu(af)
-    s = s.to(a.dtype).to(tl.float32)
-    return (s * bf).to(a.dtype).to(tl.float32)
+    _, _, h = _gate(a, af, bf)
+    return h
 
 
 @triton.jit
@@ -152,12 +161,11 @@ def _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C):
     a, af = _load(a_ptr, rows, offs_c, ok, C)
     _, bf = _load(b_ptr, rows, offs_c, ok, C)
     _, dhf = _load(dh_ptr, rows, offs_c, ok, C)
-    sig, s = _sigmoid_silu(af)
-    s = s.to(a.dtype).to(tl.float32)  # silu's output, as autograd saved it for the product
+    sig, s, h = _gate(a, af, bf)  # s: silu's output, as autograd saved it for the product
     g_silu = (dhf * bf).to(a.dtype).to(tl.float32)
     gb = (dhf * s).to(a.dtype)
     ga = (g_silu * sig * (1.0 + af * (1.0 - sig))).to(a.dtype)
-    return ga, gb, (s * bf).to(a.dtype).to(tl.float32)
+    return ga, gb, h
 
 
 @triton.jit
@@ -243,8 +251,8 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
 
 # Rows up to this long may take the one-pass kernels: the row is one tile of
 # next_power_of_2(C) values (1b's 5,632 -> 8,192). Past it the backward spills: at 16,384 (8b's
-# 14,336) ptxas (sm_90a) spills 136 bytes a thread at 16 warps and 128 at 32, and at 8 warps
-# takes 248 registers, one program a multiprocessor; at 8,192 it spills nothing
+# 14,336) ptxas (sm_90a) spills 144 bytes a thread at 16 warps and 128 at 32, and at 8 warps
+# takes 252 registers, one program a multiprocessor; at 8,192 it spills nothing
 # (tests/test_int8_triton.py compiles every tile and checks).
 ONE_PASS_MAX = 8192
 # (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
@@ -252,7 +260,7 @@ ONE_PASS_MAX = 8192
 # 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
 # tiles (fewer registers, more programs in flight) are in the list too. Registers a thread of
 # today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
-# spilled): one pass of 8,192 at 8/16/32 warps 159/94/52; sweeps 2 x 2,048 at 8 warps 106,
+# spilled): one pass of 8,192 at 8/16/32 warps 161/94/53; sweeps 2 x 2,048 at 8 warps 104,
 # 1 x 2,048 at 8 56, 1 x 1,024 at 4 55, 1 x 512 at 4 39.
 _TILES = [
     (True, 1, 1, 8),
@@ -294,13 +302,7 @@ _swiglu_backward_quantize_tuned = _tuned(_swiglu_backward_quantize_kernel)
 
 def tuned_configs() -> dict:
     """{"forward" or "backward": {(R, C, dtypes...): the config autotuning chose}} so far."""
-    return {
-        name: {k: str(v) for k, v in getattr(tuned, "cache", {}).items()}
-        for name, tuned in (
-            ("forward", _swiglu_quantize_tuned),
-            ("backward", _swiglu_backward_quantize_tuned),
-        )
-    }
+    return chosen_configs(forward=_swiglu_quantize_tuned, backward=_swiglu_backward_quantize_tuned)
 
 
 def _blocks(r: int, c: int, one_pass: bool) -> tuple[int, int, int]:
@@ -311,10 +313,7 @@ def _blocks(r: int, c: int, one_pass: bool) -> tuple[int, int, int]:
         row_c = triton.next_power_of_2(c)
         block_r = min(triton.next_power_of_2(r), max(1, 4096 // row_c))
         return block_r, 1, min(16, max(4, block_r * row_c // 512))
-    block_r, block_c, warps = quantize_blocks(r, c, rows_contiguous=True)
-    if INTERPRET:  # small tiles, so the tests' short rows take several sweeps
-        block_r, block_c = min(block_r, 16), min(block_c, 64)
-    return block_r, block_c, warps
+    return quantize_blocks(r, c, rows_contiguous=True)
 
 
 def _launch(kernel, tuned, r: int, c: int, one_pass: bool | None, device, *args) -> None:

@@ -399,13 +399,18 @@ _int8_mm_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], 
 )
 
 
-def tuned_configs() -> dict:
-    """{"pointer" or "tma": {(M, N, K, dtypes...): the config autotuning chose}} so far in this
-    process, for each GEMM kernel."""
+def chosen_configs(**tuned) -> dict:
+    """{name: {autotuning's key (shape, dtypes...): the config it chose}} so far in this process,
+    for each autotuned kernel given by name."""
     return {
-        name: {k: str(v) for k, v in getattr(tuned, "cache", {}).items()}
-        for name, tuned in (("pointer", _int8_mm_tuned), ("tma", _int8_mm_tma_tuned))
+        name: {k: str(v) for k, v in getattr(kernel, "cache", {}).items()}
+        for name, kernel in tuned.items()
     }
+
+
+def tuned_configs() -> dict:
+    """{"pointer" or "tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
+    return chosen_configs(pointer=_int8_mm_tuned, tma=_int8_mm_tma_tuned)
 
 
 def _tma_ok(a, b) -> bool:
@@ -610,7 +615,10 @@ def quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, in
         # contiguous bytes per column, and more programs than 32 would give a short R)
         block_r = min(triton.next_power_of_2(r), 16)
         block_c = min(triton.next_power_of_2(c), 256)
-    return block_r, block_c, 8 if block_r * block_c >= 4096 else 4
+    warps = 8 if block_r * block_c >= 4096 else 4
+    if INTERPRET:  # small tiles, so the tests' short rows take several sweeps
+        block_r, block_c = min(block_r, 16), min(block_c, 64)
+    return block_r, block_c, warps
 
 
 @torch.library.custom_op(
@@ -633,8 +641,6 @@ def quantize_rowwise(x, col_scale):
         raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
     rows_contiguous = x.stride(1) == 1 or c == 1 or x.stride(0) != 1
     block_r, block_c, warps = quantize_blocks(r, c, rows_contiguous)
-    if INTERPRET:
-        block_r, block_c = min(block_r, 16), min(block_c, 64)
     grid = (triton.cdiv(r, block_r),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quantize_rowwise_kernel[grid](
