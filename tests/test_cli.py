@@ -36,6 +36,47 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
     assert "Traceback" not in res.stderr + res.stdout
 
 
+def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
+    """DTRAIN_INT8_* switches are checked at launch: one line, exit 2, and the run dir's
+    Hydra record (another run's, here) is not rewritten, as it was when the layers read them."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- model=tiny\n")
+    res = launch(
+        *FAST,
+        "precision=int8",
+        f"hydra.run.dir={run}",
+        env_extra={"DTRAIN_INT8_GRAD_INPUT": "sideways"},
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert lines == [
+        "error: DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose compute or input"
+    ], res.stderr
+    assert sorted(p.name for p in run.rglob("*")) == [".hydra", "overrides.yaml"]
+    assert (run / ".hydra" / "overrides.yaml").read_text() == "- model=tiny\n"
+
+
+@pytest.mark.parametrize(
+    "env,choices",
+    [
+        ("DTRAIN_INT8_KERNEL", "auto, triton, torch"),
+        ("DTRAIN_INT8_GEMM", "tma or pointer"),
+        ("DTRAIN_INT8_QUANTIZE", "fused, apart, backward, gradients"),
+        ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
+        ("DTRAIN_INT8_SWIGLU", "linears or fused"),
+    ],
+)
+def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
+    from dtrain.errors import ConfigError
+    from dtrain.lowp.switches import check_int8_switches
+
+    check_int8_switches()  # unset: each its default
+    monkeypatch.setenv(env, "sideways")
+    with pytest.raises(ConfigError, match=f"^{env}='sideways' is not valid; choose {choices}$"):
+        check_int8_switches()
+
+
 def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):
     run = tmp_path / "run"
     ok = launch(*FAST, "trainer.max_steps=2", "trainer.eval_every=0", f"hydra.run.dir={run}")

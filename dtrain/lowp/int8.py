@@ -86,6 +86,7 @@ GRAD_WEIGHT_MODES = ("int8", "bf16")
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
 # (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")
+KERNEL_CHOICES = ("auto", *KERNELS)
 KERNEL_ENV = "DTRAIN_INT8_KERNEL"
 # Where each quantize runs under torch.compile with the Triton kernels: "fused" (Inductor fuses
 # it into the kernel that produces its input) or "apart" (the Triton quantize op, a kernel of
@@ -182,7 +183,7 @@ def select_kernel(device: torch.device | str) -> tuple[str, str]:
     """("triton" or "torch", why) for int8 matmuls on `device`; DTRAIN_INT8_KERNEL can force
     either (forcing "triton" takes it on any CUDA GPU, e.g. to try it on an A100)."""
     device = torch.device(device)
-    forced = env_choice(KERNEL_ENV, ("auto", *KERNELS))
+    forced = env_choice(KERNEL_ENV, KERNEL_CHOICES)
     if forced == "torch":
         return "torch", f"{KERNEL_ENV}=torch"
     if device.type != "cuda":

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dtrain.lowp.switches import GEMM_ENV, GEMM_VARIANTS, env_choice
+
 try:  # Triton >= 3.0 dispatches libdevice per backend here
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - older layouts
@@ -81,15 +83,12 @@ _GROUP_M = 8
 # Which GEMM kernel int8_mm runs on large problems on a GPU: "tma" (the persistent kernel with
 # TMA loads, the default: 1.03-1.28x the pointer kernel on the nine 1b shapes, 0.95-1.35x on
 # the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/) or "pointer" (tiles
-# loaded through pointers, one program per tile). GEMM_ENV sets it (A/B runs); a bad value is
-# a ConfigError when this module loads.
-GEMM_VARIANTS = ("tma", "pointer")
-GEMM_ENV = "DTRAIN_INT8_GEMM"
+# loaded through pointers, one program per tile). GEMM_ENV sets it (A/B runs; its choices are
+# in dtrain/lowp/switches.py, which checks it at launch without importing Triton); a bad value
+# is a ConfigError when this module loads.
 
 
 def gemm_variant() -> str:
-    from dtrain.lowp.switches import env_choice
-
     return env_choice(GEMM_ENV, GEMM_VARIANTS)
 
 

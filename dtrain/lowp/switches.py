@@ -1,6 +1,7 @@
 """The low-precision kernels' A/B switches: environment variables (DTRAIN_INT8_*) that choose
 between ways of running the same computation, for benchmarks that decide a default. Each is
-read where the layers are built, so a bad value stops the run before it starts, in one line."""
+read where the layers are built; launch/train.py checks them all first (check_int8_switches),
+so a bad value stops the run in one line before anything is written to the run dir."""
 
 from __future__ import annotations
 
@@ -17,3 +18,24 @@ def env_choice(env: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{env}={value!r} is not valid; choose {say_choices(choices)}")
     return value
+
+
+# The GEMM kernel's switch (dtrain/lowp/int8_triton.py says what each does): here so the check
+# at launch needs no Triton.
+GEMM_VARIANTS = ("tma", "pointer")
+GEMM_ENV = "DTRAIN_INT8_GEMM"
+
+
+def check_int8_switches() -> None:
+    """Every DTRAIN_INT8_* switch's value, or a ConfigError naming the bad one and its choices."""
+    from dtrain.lowp import int8 as i8
+    from dtrain.lowp import int8_swiglu as sw
+
+    for env, choices in (
+        (i8.KERNEL_ENV, i8.KERNEL_CHOICES),
+        (GEMM_ENV, GEMM_VARIANTS),
+        (i8.QUANTIZE_ENV, i8.QUANTIZE_MODES),
+        (i8.GRAD_INPUT_ENV, i8.GRAD_INPUT_MODES),
+        (sw.SWIGLU_ENV, sw.SWIGLU_MODES),
+    ):
+        env_choice(env, choices)

@@ -91,6 +91,10 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         ckpts = Path(cfg.run_dir) / "checkpoints"
         check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     refuse_resume_never(cfg)
+    if cfg.precision.name == "int8":  # the layers read them later, after Hydra's first writes
+        from dtrain.lowp.switches import check_int8_switches
+
+        check_int8_switches()
     return cfg
 
 
