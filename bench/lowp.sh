@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -45,7 +45,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
-  int8apart|int8bwapart|int8gapart|int8mk|int8tma|int8ptr|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
+  int8apart|int8bwapart|int8gapart|int8qfused|int8mk|int8tma|int8ptr|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
@@ -56,9 +56,10 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   *) echo "precision=$1" ;; esac; }
 fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
 # int8bwapart: only the backward's quantizes apart (DTRAIN_INT8_QUANTIZE=backward); int8gapart:
-# only the output gradients' (=gradients; the transposed weights' fused as by default).
+# only the output gradients' (=gradients), the default since the twenty-eighth session, so the
+# same as int8 now; int8qfused: every quantize fused into its producer (=fused, the default before).
 int8env() { case $1 in int8apart) echo apart ;; int8bwapart) echo backward ;;
-  int8gapart) echo gradients ;; *) echo fused ;; esac; }
+  int8qfused) echo fused ;; *) echo gradients ;; esac; }
 # int8mk and bf16mk: Inductor's multi-kernel reductions (each row reduction compiled persistent
 # and looped, the faster chosen at run time; persistent up to 16x longer rows): the A/B of the
 # quantizes that turn pointwise producers into looped row reductions (rows of 2048 and 5632).

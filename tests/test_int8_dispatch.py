@@ -118,7 +118,14 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
         return {m.quantize for m in model}
 
     fake_gpu(monkeypatch)
-    assert placements(swapped()) == {"fused"}  # the default
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert placements(swapped()) == {"gradients"}  # the default: dy's apart, said nowhere
+    assert not any("int8 quantizes" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(i8.QUANTIZE_ENV, "fused")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert placements(swapped()) == {"fused"}
+    assert any("int8 quantizes: all fused" in r.getMessage() for r in caplog.records)
+    caplog.clear()
     monkeypatch.setenv(i8.QUANTIZE_ENV, "apart")
     with caplog.at_level(logging.INFO, logger="dtrain"):
         model = swapped()
@@ -132,10 +139,7 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
         "int8 quantizes in the backward: the Triton op" in r.getMessage() for r in caplog.records
     )
     monkeypatch.setenv(i8.QUANTIZE_ENV, "gradients")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dtrain"):
-        assert placements(swapped()) == {"gradients"}
-    assert any("int8 quantizes of dy: the Triton op" in r.getMessage() for r in caplog.records)
+    assert placements(swapped()) == {"gradients"}
     # torch._int_mm has no quantize op of its own: the choice does not apply to it
     assert placements(swapped(kernel="torch")) == {"fused"}
     monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
