@@ -4,6 +4,7 @@ per matmul and end to end, every ratio against the bf16 of the same call.
     python bench/int8_kernels.py --out $OUT            # ~5 min on one H100: both parts
     python bench/int8_kernels.py --out $OUT --part micro   # the matmuls and quantizes only
     python bench/int8_kernels.py --out $OUT --part micro --gate-only  # the SwiGLU gate only
+    python bench/int8_kernels.py --out $OUT --part micro --quantize-only  # the quantizes only
     python bench/int8_kernels.py --out $OUT --part e2e     # the three training runs only
     python bench/int8_kernels.py --smoke --out /tmp/x  # tiny, on CPU (a test runs it)
 
@@ -17,7 +18,8 @@ per matmul and end to end, every ratio against the bf16 of the same call.
                  q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
    and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
    int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
-   gradients, weights and transposed weights: eager, torch.compile'd, the Triton kernel; and
+   gradients, weights and transposed weights: eager, torch.compile'd, the Triton op
+   (autotuned), and its two ways, one pass and two sweeps, each with a fixed tile; and
    the SwiGLU gate of each model's FFN with its quantizes (DTRAIN_INT8_SWIGLU), forward and
    backward: bf16 alone (eager, compiled), compiled with the quantizes (what Inductor fuses
    for the three Int8Linear layers) and dtrain's Triton kernels, one pass and two sweeps.
@@ -275,6 +277,14 @@ def bench_linears(models, device, with_triton: bool) -> list[dict]:
     return out
 
 
+# The quantize's timings: eager, torch.compile'd, the Triton op (autotuned), its two ways.
+QUANTIZE_WAYS = ("eager", "compiled", "triton", "triton_one_pass", "triton_two_sweeps")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def bench_quantize(models, device, with_triton: bool) -> list[dict]:
     import torch
 
@@ -308,8 +318,14 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
             from dtrain.lowp import int8_triton as it
 
             res["triton_ms"] = _try(_first_then_time, ms, partial(it.quantize_rowwise, x, None))
+            # each way with its fixed tile (the op autotunes contiguous rows among both)
+            if _next_pow2(c) <= it.ONE_PASS_MAX:
+                one = partial(it.quantize_rows, x, None, one_pass=True)
+                res["triton_one_pass_ms"] = _try(_first_then_time, ms, one)
+            two = partial(it.quantize_rows, x, None, one_pass=False)
+            res["triton_two_sweeps_ms"] = _try(_first_then_time, ms, two)
         nbytes = r * c * (x.element_size() + 1) + r * 4  # read x, write q and the scales
-        for v in ("eager", "compiled", "triton"):
+        for v in QUANTIZE_WAYS:
             if isinstance(res.get(f"{v}_ms"), float):
                 res[f"{v}_gb_per_s"] = nbytes / res[f"{v}_ms"] / 1e6
         out.append(res)
@@ -407,6 +423,8 @@ def part_micro(args) -> dict:
     res = {"info": info}
     if args.gate_only:
         res["gate"] = bench_gate(models, device, with_triton)
+    elif args.quantize_only:
+        res["quantize"] = bench_quantize(models, device, with_triton)
     else:
         res["gemms"] = bench_gemms(gemm_cases(models), device, with_triton)
         if not args.gemms_only:
@@ -570,15 +588,18 @@ def render(res: dict) -> str:
         lines += [
             "## Row-wise quantize (ms; GB/s of x read + q and scales written)",
             "",
-            "| model | tensor | R x C | eager | torch.compile | triton |",
-            "|---|---|---|---|---|---|",
+            "Triton: the op (contiguous rows autotuned, the tile chosen is in the JSON's "
+            "`autotuned`), and each way's fixed tile.",
+            "",
+            "| model | tensor | R x C | eager | torch.compile | triton | triton, one pass "
+            "| triton, two sweeps |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for q in quant:
             lines.append(
                 f"| {q['model']} | {q['tensor']} | {q['shape'][0]} x {q['shape'][1]} "
                 + "".join(
-                    f"| {_cell(q.get(f'{v}_ms'), q.get(f'{v}_gb_per_s'))} "
-                    for v in ("eager", "compiled", "triton")
+                    f"| {_cell(q.get(f'{v}_ms'), q.get(f'{v}_gb_per_s'))} " for v in QUANTIZE_WAYS
                 )
                 + "|"
             )
@@ -653,6 +674,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes and model, on CPU")
     p.add_argument("--gemms-only", action="store_true", help="micro: the GEMMs alone")
     p.add_argument("--gate-only", action="store_true", help="micro: the SwiGLU gate alone")
+    p.add_argument("--quantize-only", action="store_true", help="micro: the quantizes alone")
     p.add_argument("--e2e-steps", type=int, default=40)
     p.add_argument("--e2e-runs", default=",".join(E2E_RUNS))
     p.add_argument("--e2e-timeout", type=int, default=300, help="seconds per training run")
@@ -674,6 +696,7 @@ def main() -> None:
         cmd += ["--smoke"] if args.smoke else []
         cmd += ["--gemms-only"] if args.gemms_only else []
         cmd += ["--gate-only"] if args.gate_only else []
+        cmd += ["--quantize-only"] if args.quantize_only else []
         log("part 1: matmuls and quantizes")
         rc = subprocess.run(cmd, cwd=ROOT, timeout=900).returncode
         if rc == 0 and child.exists():

@@ -174,12 +174,18 @@ def test_quantize_rowwise_equals_eager_bitwise(r, c, dtype):
         "transposed view": x.t().contiguous().t(),  # what weight.t() is
         "strided": torch.cat([x, x], dim=1)[:, ::2],
     }
-    for name, v in views.items():
-        q, s = it.quantize_rowwise(v, None)
-        qe, se = i8.quantize_rowwise(v)
-        assert torch.equal(s, se), name
-        assert torch.equal(q, qe), name
-        assert q.is_contiguous() and s.shape == (r, 1)
+    ways = {  # the op (here one pass for contiguous rows) and each way forced
+        "op": lambda v: it.quantize_rowwise(v, None),
+        "one pass": lambda v: it.quantize_rows(v, one_pass=True),
+        "two sweeps": lambda v: it.quantize_rows(v, one_pass=False),  # tiles of 64 here
+    }
+    for way, quantize in ways.items():
+        for name, v in views.items():
+            q, s = quantize(v)
+            qe, se = i8.quantize_rowwise(v)
+            assert torch.equal(s, se), (way, name)
+            assert torch.equal(q, qe), (way, name)
+            assert q.is_contiguous() and s.shape == (r, 1)
     if r > 2 and c > 6:
         q, s = it.quantize_rowwise(x, None)
         assert s[2].item() == 1.0
@@ -190,9 +196,26 @@ def test_quantize_rowwise_with_column_scales():
     """int8 grad_weight quantizes (dy * s_x)^T: dy^T with per-column (token) scales."""
     g = torch.randn(64, 40)
     xs = torch.rand(64, 1) + 0.1
-    q, s = it.quantize_rowwise(g.t(), xs.reshape(-1))
     qe, se = i8.quantize_rowwise((g.float() * xs).t())
-    assert torch.equal(q, qe) and torch.equal(s, se)
+    for one_pass in (None, True, False):
+        q, s = it.quantize_rows(g.t(), xs.reshape(-1), one_pass=one_pass)
+        assert torch.equal(q, qe) and torch.equal(s, se), one_pass
+
+
+def test_quantize_autotuning_offers_one_pass_only_for_rows_that_fit():
+    """On a GPU autotuning chooses the quantize's tile for contiguous rows: one pass where
+    BLOCK_R rows of next_power_of_2(C) values are at most ONE_PASS_MAX, sweeps only for rows
+    longer than their tile: dtrain's rows of 2,048 take both, 8b's 14,336 only the sweeps."""
+
+    def offered(c):
+        row_c = 1 << (c - 1).bit_length()
+        kept = it.prune_row_tiles(it.row_tile_configs(it.QUANTIZE_TILES), {}, ROW_C=row_c)
+        return {(k.kwargs["ONE_PASS"], k.kwargs["BLOCK_R"], k.kwargs["SWEEP_C"]) for k in kept}
+
+    assert offered(2048) == {(True, 1, 1), (True, 2, 1)}
+    assert offered(4096) == {(True, 1, 1), (True, 2, 1), (False, 2, 2048), (False, 1, 2048)}
+    assert offered(5632) == {(True, 1, 1), (False, 2, 2048), (False, 1, 2048)}
+    assert offered(14336) == {(False, 2, 2048), (False, 1, 2048)}
 
 
 class CountOps(TorchDispatchMode):
@@ -377,7 +400,7 @@ def test_swiglu_kernels_one_pass_and_two_sweeps_are_the_same_bits(r, c, dtype):
     """The one-pass kernels (the row one tile, as the ops take rows up to ONE_PASS_MAX) and the
     two sweeps (several tiles of 64 here) compute every output with the same operations."""
     a, b, dh = _gate_operands(r, c, dtype, seed=1)
-    assert c <= swt.ONE_PASS_MAX and swt._blocks(r, c, one_pass=False)[1] < c
+    assert c <= it.ONE_PASS_MAX and it.quantize_blocks(r, c, rows_contiguous=True)[1] < c
     one = (*swt.gate_quantize(a, b, one_pass=True), *swt.gate_backward_quantize(dh, a, b))
     two = (
         *swt.gate_quantize(a, b, one_pass=False),
@@ -392,14 +415,19 @@ def test_swiglu_kernels_take_one_pass_up_to_the_bound_and_two_sweeps_past_it(mon
     """The ops take the one-pass kernels for rows up to ONE_PASS_MAX values (then the row is
     one tile), the two sweeps past it; the tiles are powers of two, 4 to 16 warps."""
     seen = []
-    blocks = swt._blocks
+    one_pass_blocks, sweep_blocks = it.one_pass_blocks, it.quantize_blocks
 
-    def recorded(r, c, one_pass):
-        seen.append((c, one_pass))
-        return blocks(r, c, one_pass)
+    def one(r, c):
+        seen.append((c, True))
+        return one_pass_blocks(r, c)
 
-    monkeypatch.setattr(swt, "_blocks", recorded)
-    monkeypatch.setattr(swt, "ONE_PASS_MAX", 64)
+    def two(r, c, rows_contiguous):
+        seen.append((c, False))
+        return sweep_blocks(r, c, rows_contiguous)
+
+    monkeypatch.setattr(it, "one_pass_blocks", one)
+    monkeypatch.setattr(it, "quantize_blocks", two)
+    monkeypatch.setattr(it, "ONE_PASS_MAX", 64)
     for c in (64, 65):
         a, b, dh = _gate_operands(3, c, torch.float32)
         swt.swiglu_quantize(a, b)
@@ -407,7 +435,7 @@ def test_swiglu_kernels_take_one_pass_up_to_the_bound_and_two_sweeps_past_it(mon
     assert seen == [(64, True), (64, True), (65, False), (65, False)]
     monkeypatch.undo()
     for c in (1, 300, 5632, 8192, 14336):
-        block_r, sweep_c, warps = swt._blocks(16384, c, one_pass=True)
+        block_r, sweep_c, warps = it.one_pass_blocks(16384, c)
         row_c = 1 << (c - 1).bit_length()
         assert 4 <= warps <= 16 and block_r * row_c >= 4096  # 16,384 rows: enough to fill
         assert block_r & (block_r - 1) == 0 and sweep_c == 1  # a power of two; no sweeps
@@ -419,7 +447,7 @@ def test_swiglu_autotuning_offers_one_pass_only_up_to_the_bound():
 
     def offered(c):
         row_c = 1 << (c - 1).bit_length()
-        kept = swt._prune(swt._CONFIGS, {}, ROW_C=row_c)
+        kept = it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=row_c)
         return {(k.kwargs["ONE_PASS"], k.kwargs["SWEEP_C"]) for k in kept}
 
     assert offered(5632) == {(True, 1), (False, 2048), (False, 1024), (False, 512)}

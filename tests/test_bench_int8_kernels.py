@@ -38,6 +38,10 @@ def test_int8_kernels_bench_smoke(tmp_path):
     for r in gate:  # no Triton on CPU: its columns are absent, the others timed
         assert all(r[f"{v}_ms"] > 0 for v in ("bf16_eager", "bf16_compiled", "quant_compiled"))
         assert "triton_one_pass_ms" not in r
+    quant = out["micro"]["quantize"]
+    assert quant and all(q["eager_ms"] > 0 and q["compiled_ms"] > 0 for q in quant)
+    assert all("triton_two_sweeps_ms" not in q for q in quant)  # no Triton on CPU
     md = (tmp_path / "int8_kernels.md").read_text()
+    assert "| triton, one pass | triton, two sweeps |" in md
     assert "| tiny | w1 | forward |" in md and "| int8_triton |" in md
     assert "| tiny | backward | 128 x 96 |" in md

@@ -57,11 +57,12 @@ def _cuobjdump() -> str | None:
     return tool if os.path.exists(tool) else None
 
 
-def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, sweep_c: int, warps):
-    """(registers, local bytes) a thread of `kernel` (a fused-SwiGLU kernel) takes compiled
-    for sm_90a with bf16 inputs, as the runtime compiles it for training's tensors (pointers
-    16-byte aligned and C a multiple of 16: Triton then vectorizes the loads, which changes
-    the register count): Triton compiles it here, cuobjdump reads the cubin."""
+def _kernel_resources(kernel, types: dict, consts: dict, warps: int) -> tuple[int, int]:
+    """(registers, local bytes) a thread of `kernel` takes compiled for sm_90a, its arguments
+    typed by `types` (pointers and integers, in order) and `consts`, as the runtime compiles it
+    for training's tensors (pointers and integers but R 16-byte aligned / divisible by 16:
+    Triton then vectorizes the loads, which changes the register count): Triton compiles it
+    here, cuobjdump reads the cubin."""
     import os
     import tempfile
 
@@ -70,15 +71,8 @@ def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, swe
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    sig = {}
-    for n in names[: names.index("R")]:  # the pointers: bf16 tensors, int8 codes, fp32 scales
-        if n in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
-            sig[n] = "*bf16"
-        else:
-            sig[n] = "*fp32" if n.endswith("s_ptr") or n == "scale_ptr" else "*i8"
-    sig.update(R="i32", C="i32")
+    sig = dict(types)
     aligned = [names.index(n) for n in sig if n != "R"]
-    consts = {"ROW_C": row_c, "BLOCK_R": block_r, "SWEEP_C": sweep_c, "ONE_PASS": one_pass}
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -95,11 +89,21 @@ def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, swe
     return int(regs), int(stack) + int(local)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(monkeypatch):
-    """Every tile _prune offers for 1b's row (5,632 -> 8,192) and 8b's (14,336 -> 16,384)
-    compiles for sm_90a within the register file, nothing spilled to local memory; the
-    one-pass tile of 8b's row, which ONE_PASS_MAX keeps out, does spill (why the bound)."""
+def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, sweep_c: int, warps):
+    """_kernel_resources of a fused-SwiGLU kernel with bf16 inputs."""
+    names = kernel.arg_names
+    types = {}
+    for n in names[: names.index("R")]:  # the pointers: bf16 tensors, int8 codes, fp32 scales
+        if n in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
+            types[n] = "*bf16"
+        else:
+            types[n] = "*fp32" if n.endswith("s_ptr") or n == "scale_ptr" else "*i8"
+    types.update(R="i32", C="i32")
+    consts = {"ROW_C": row_c, "BLOCK_R": block_r, "SWEEP_C": sweep_c, "ONE_PASS": one_pass}
+    return _kernel_resources(kernel, types, consts, warps)
+
+
+def _skip_without_sm90_compiler(monkeypatch):
     import inspect
 
     from triton.compiler import ASTSource
@@ -109,11 +113,20 @@ def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(mon
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         pytest.skip("Triton before 3.3 names ASTSource's constants differently")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(monkeypatch):
+    """Every tile prune_row_tiles offers for 1b's row (5,632 -> 8,192) and 8b's (14,336 -> 16,384)
+    compiles for sm_90a within the register file, nothing spilled to local memory; the
+    one-pass tile of 8b's row, which ONE_PASS_MAX keeps out, does spill (why the bound)."""
+    _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp import int8_swiglu_triton as swt
+    from dtrain.lowp import int8_triton as it
 
     kernels = (swt._swiglu_quantize_kernel, swt._swiglu_backward_quantize_kernel)
     for row_c in (8192, 16384):
-        offered = swt._prune(swt._CONFIGS, {}, ROW_C=row_c)
+        offered = it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=row_c)
         assert offered
         for cfg in offered:
             kw = cfg.kwargs
@@ -121,6 +134,32 @@ def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(mon
             for kernel in kernels:
                 regs, local = _gate_kernel_resources(kernel, *tile)
                 assert local == 0 and regs * 32 * cfg.num_warps <= 65536, (kernel, tile, regs)
-    assert 16384 > swt.ONE_PASS_MAX
+    assert 16384 > it.ONE_PASS_MAX
     regs, local = _gate_kernel_resources(kernels[1], 16384, True, 1, 1, 16)
     assert local > 0, regs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(monkeypatch):
+    """The row-wise quantize's tiles prune_row_tiles offers for dtrain's rows of bf16 (2,048,
+    1b's 5,632 -> 8,192 and 8b's 14,336 -> 16,384) compile for sm_90a within the register
+    file, nothing spilled: one pass holds BLOCK_R whole rows in registers."""
+    _skip_without_sm90_compiler(monkeypatch)
+    from dtrain.lowp import int8_triton as it
+
+    types = {"x_ptr": "*bf16", "col_scale_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32"}
+    types.update(R="i32", C="i32", stride_xr="i32")
+    configs = it.row_tile_configs(it.QUANTIZE_TILES)
+    seen_one_pass = False
+    for row_c in (2048, 8192, 16384):
+        offered = it.prune_row_tiles(configs, {}, ROW_C=row_c)
+        assert offered
+        for cfg in offered:
+            # stride_xc == 1 (contiguous rows, the tuned launch): Triton specializes it
+            consts = dict(stride_xc=1, HAS_COL_SCALE=False, ROW_C=row_c, **cfg.kwargs)
+            regs, local = _kernel_resources(
+                it._quantize_rowwise_kernel, types, consts, cfg.num_warps
+            )
+            assert local == 0 and regs * 32 * cfg.num_warps <= 65536, (cfg, row_c, regs)
+            seen_one_pass |= cfg.kwargs["ONE_PASS"]
+    assert seen_one_pass

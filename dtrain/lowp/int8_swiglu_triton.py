@@ -43,8 +43,6 @@ fp32 -> bf16 casts truncate, so there they agree within a bf16 step.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -52,13 +50,14 @@ import triton.language as tl
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     INV_QMAX,
-    TUNE_KWARGS,
     chosen_configs,
+    launch_rows,
     libdevice,
-    quantize_blocks,
     quantize_values,
     row_block,
     row_scales,
+    row_tile_configs,
+    tuned_rows,
 )
 
 if INTERPRET:
@@ -249,12 +248,6 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
     return first.shape
 
 
-# Rows up to this long may take the one-pass kernels: the row is one tile of
-# next_power_of_2(C) values (1b's 5,632 -> 8,192). Past it the backward spills: at 16,384 (8b's
-# 14,336) ptxas (sm_90a) spills 144 bytes a thread at 16 warps and 128 at 32, and at 8 warps
-# takes 252 registers, one program a multiprocessor; at 8,192 it spills nothing
-# (tests/test_int8_triton.py compiles every tile and checks).
-ONE_PASS_MAX = 8192
 # (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
 # sweeps' 2 x 2,048 at 8 warps is the tile the twenty-seventh session's trace timed (27.4 ms a
 # 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
@@ -271,72 +264,15 @@ _TILES = [
     (False, 1, 1024, 4),
     (False, 1, 512, 4),
 ]
-_CONFIGS = [
-    triton.Config({"ONE_PASS": one, "BLOCK_R": br, "SWEEP_C": sc}, num_warps=w)
-    for one, br, sc, w in _TILES
-]
-
-
-def _prune(configs, named_args, **kwargs):
-    """One pass only for rows up to ONE_PASS_MAX; the sweeps only for rows longer than a tile."""
-    row_c = kwargs["ROW_C"]  # next_power_of_2(C) <= ONE_PASS_MAX, or else > every SWEEP_C
-    return [
-        c
-        for c in configs
-        if (row_c <= ONE_PASS_MAX if c.kwargs["ONE_PASS"] else c.kwargs["SWEEP_C"] < row_c)
-    ]
-
-
-def _tuned(kernel):
-    return triton.autotune(
-        configs=_CONFIGS,
-        key=["R", "C"],
-        prune_configs_by={"early_config_prune": _prune},
-        **TUNE_KWARGS,
-    )(kernel)
-
-
-_swiglu_quantize_tuned = _tuned(_swiglu_quantize_kernel)
-_swiglu_backward_quantize_tuned = _tuned(_swiglu_backward_quantize_kernel)
+_CONFIGS = row_tile_configs(_TILES)
+# One pass only for rows up to ONE_PASS_MAX (int8_triton.prune_row_tiles says why the bound).
+_swiglu_quantize_tuned = tuned_rows(_swiglu_quantize_kernel, _CONFIGS, ["R", "C"])
+_swiglu_backward_quantize_tuned = tuned_rows(_swiglu_backward_quantize_kernel, _CONFIGS, ["R", "C"])
 
 
 def tuned_configs() -> dict:
     """{"forward" or "backward": {(R, C, dtypes...): the config autotuning chose}} so far."""
     return chosen_configs(forward=_swiglu_quantize_tuned, backward=_swiglu_backward_quantize_tuned)
-
-
-def _blocks(r: int, c: int, one_pass: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, SWEEP_C, num_warps) of a fixed launch: one pass (whole rows, as many as make
-    4096 values a tile where there are that many) or the two sweeps (int8_triton.quantize_blocks'
-    tiles)."""
-    if one_pass:
-        row_c = triton.next_power_of_2(c)
-        block_r = min(triton.next_power_of_2(r), max(1, 4096 // row_c))
-        return block_r, 1, min(16, max(4, block_r * row_c // 512))
-    return quantize_blocks(r, c, rows_contiguous=True)
-
-
-def _launch(kernel, tuned, r: int, c: int, one_pass: bool | None, device, *args) -> None:
-    """Runs `kernel` over (r, c): autotuned on a GPU when one_pass is None, else (and in the
-    interpreter: one pass up to ONE_PASS_MAX) a fixed tile."""
-    row_c = triton.next_power_of_2(c)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if one_pass is None and not INTERPRET:
-            grid = lambda meta: (triton.cdiv(r, meta["BLOCK_R"]),)  # noqa: E731
-            tuned[grid](*args, r, c, ROW_C=row_c)
-            return
-        one_pass = c <= ONE_PASS_MAX if one_pass is None else one_pass
-        block_r, sweep_c, warps = _blocks(r, c, one_pass)
-        kernel[(triton.cdiv(r, block_r),)](
-            *args,
-            r,
-            c,
-            ROW_C=row_c,
-            BLOCK_R=block_r,
-            SWEEP_C=sweep_c,
-            ONE_PASS=one_pass,
-            num_warps=warps,
-        )
 
 
 def gate_quantize(a, b, *, one_pass: bool | None = None):
@@ -347,8 +283,8 @@ def gate_quantize(a, b, *, one_pass: bool | None = None):
     q = torch.empty((r, c), dtype=torch.int8, device=a.device)
     scale = torch.empty((r, 1), dtype=torch.float32, device=a.device)
     if r and c:
-        tuned = _swiglu_quantize_tuned
-        _launch(_swiglu_quantize_kernel, tuned, r, c, one_pass, a.device, a, b, q, scale)
+        kernel, tuned = _swiglu_quantize_kernel, _swiglu_quantize_tuned
+        launch_rows(kernel, tuned, r, c, a.device, (a, b, q, scale, r, c), one_pass)
     elif r:
         scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0
     return q, scale
@@ -362,9 +298,9 @@ def gate_backward_quantize(dh, a, b, *, one_pass: bool | None = None):
     gaq, gbq, hq = (torch.empty((r, c), dtype=torch.int8, device=a.device) for _ in range(3))
     gas, gbs, hs = (torch.empty((r, 1), dtype=torch.float32, device=a.device) for _ in range(3))
     if r and c:
-        args = (dh, a, b, ga, gb, gaq, gas, gbq, gbs, hq, hs)
+        args = (dh, a, b, ga, gb, gaq, gas, gbq, gbs, hq, hs, r, c)
         kernel, tuned = _swiglu_backward_quantize_kernel, _swiglu_backward_quantize_tuned
-        _launch(kernel, tuned, r, c, one_pass, a.device, *args)
+        launch_rows(kernel, tuned, r, c, a.device, args, one_pass)
     elif r:
         for scale in (gas, gbs, hs):
             scale.fill_(1e-12).mul_(INV_QMAX.value)  # the kernel's figure for amax 0

@@ -1,5 +1,5 @@
 """Triton kernels for precision=int8 on Hopper: an int8 GEMM with the dequantization fused into
-its epilogue, and a one-pass-per-tile row-wise quantize.
+its epilogue, and a row-wise quantize (each row loaded once where it fits a tile, else twice).
 
 `torch._int_mm` reaches Hopper's int8 tensor cores through CUTLASS's sm80 kernels (mma.sync);
 Triton lowers an int8 `tl.dot` to wgmma on sm90 (MMAv3: int8 operands, int32 accumulation,
@@ -19,7 +19,10 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
         x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
         of each row / 127, then round-half-to-even and clamp to [-127, 127], in IEEE fp32 as
-        `dtrain.lowp.int8.quantize_rowwise` computes them (bitwise equal results).
+        `dtrain.lowp.int8.quantize_rowwise` computes them (bitwise equal results). On a GPU,
+        rows contiguous in memory take the tile autotuning chooses per shape (QUANTIZE_TILES):
+        one pass (the row one tile, loaded once) or two sweeps (loaded twice, the second
+        mostly from L2).
 
 Shapes: any M, N, K. Rows and columns past the edges are masked (loads wrap around inside
 the tensor, stores are masked); a K that is not a multiple of BLOCK_K masks its last tile with
@@ -408,8 +411,11 @@ def chosen_configs(**tuned) -> dict:
 
 
 def tuned_configs() -> dict:
-    """{"pointer" or "tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
-    return chosen_configs(pointer=_int8_mm_tuned, tma=_int8_mm_tma_tuned)
+    """{"pointer" or "tma": {(M, N, K, dtypes...): the config autotuning chose}, "quantize":
+    {(R, C, has column scales, dtypes...): the quantize's}} so far."""
+    return chosen_configs(
+        pointer=_int8_mm_tuned, tma=_int8_mm_tma_tuned, quantize=_quantize_rowwise_tuned
+    )
 
 
 def _tma_ok(a, b) -> bool:
@@ -564,6 +570,22 @@ def quantize_values(v, scale):
 
 
 @triton.jit
+def _load_row_tile(
+    x_ptr, col_scale_ptr, rows, r_ok, offs_c, C, stride_xr, stride_xc, HAS_COL_SCALE
+):
+    """A (BLOCK_R, len(offs_c)) tile of x in fp32 (times the column scales), 0 where masked
+    (no effect on the abs-max), and its mask. Tiles are 2-d, so rows that are strided in memory
+    (x a transposed view: stride_xr == 1) still load coalesced along the rows."""
+    c_ok = offs_c < C
+    ok = r_ok[:, None] & c_ok[None, :]
+    ptrs = x_ptr + rows[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc
+    v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_COL_SCALE:
+        v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
+    return v, ok
+
+
+@triton.jit
 def _quantize_rowwise_kernel(
     x_ptr,
     col_scale_ptr,
@@ -574,39 +596,45 @@ def _quantize_rowwise_kernel(
     stride_xr,
     stride_xc,
     HAS_COL_SCALE: tl.constexpr,
+    ROW_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    SWEEP_C: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    # One program per BLOCK_R rows: the abs-max over the row in one sweep, then a second
-    # sweep (mostly from L2) to round and store. Tiles are 2-d, so rows that are strided in
-    # memory (x a transposed view: stride_xr == 1) still load coalesced along the rows.
+    # One program per BLOCK_R rows, in one of two ways (ROW_TILES): one pass, the row one tile
+    # (ROW_C >= C) loaded once and quantized from registers; or two sweeps of SWEEP_C, the
+    # abs-max over the row in the first, then a second load (mostly from L2) to round and store.
     offs_r, r_ok, rows = row_block(R, BLOCK_R)
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C
-        ok = r_ok[:, None] & c_ok[None, :]
-        ptrs = x_ptr + rows[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc
-        v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL_SCALE:
-            v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    scale = row_scales(amax)
-    tl.store(scale_ptr + offs_r, scale, mask=r_ok)
-    for c0 in range(0, C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C
-        ok = r_ok[:, None] & c_ok[None, :]
-        ptrs = x_ptr + rows[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc
-        v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL_SCALE:
-            v = v * tl.load(col_scale_ptr + offs_c, mask=c_ok, other=0.0)[None, :]
-        q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
-        tl.store(q_ptrs, quantize_values(v, scale), mask=ok)
+    if ONE_PASS:
+        offs_c = tl.arange(0, ROW_C)
+        v, ok = _load_row_tile(
+            x_ptr, col_scale_ptr, rows, r_ok, offs_c, C, stride_xr, stride_xc, HAS_COL_SCALE
+        )
+        scale = row_scales(tl.max(tl.abs(v), axis=1))
+        tl.store(scale_ptr + offs_r, scale, mask=r_ok)
+        tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], quantize_values(v, scale), mask=ok)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            v, ok = _load_row_tile(
+                x_ptr, col_scale_ptr, rows, r_ok, offs_c, C, stride_xr, stride_xc, HAS_COL_SCALE
+            )
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        scale = row_scales(amax)
+        tl.store(scale_ptr + offs_r, scale, mask=r_ok)
+        for c0 in range(0, C, SWEEP_C):
+            offs_c = c0 + tl.arange(0, SWEEP_C)
+            v, ok = _load_row_tile(
+                x_ptr, col_scale_ptr, rows, r_ok, offs_c, C, stride_xr, stride_xc, HAS_COL_SCALE
+            )
+            q_ptrs = q_ptr + rows[:, None] * C + offs_c[None, :]
+            tl.store(q_ptrs, quantize_values(v, scale), mask=ok)
 
 
 def quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps): tiles of 4096 values, long along the contiguous axis."""
+    """(BLOCK_R, SWEEP_C, num_warps) of two sweeps: tiles of 4096 values, long along the
+    contiguous axis."""
     if rows_contiguous:  # each row is contiguous: sweep along it
         block_c = min(triton.next_power_of_2(c), 2048)
         block_r = min(triton.next_power_of_2(r), max(1, 4096 // block_c))
@@ -620,12 +648,113 @@ def quantize_blocks(r: int, c: int, rows_contiguous: bool) -> tuple[int, int, in
     return block_r, block_c, warps
 
 
-@torch.library.custom_op(
-    "dtrain::int8_quantize_rowwise",
-    mutates_args=(),
-    schema="(Tensor x, Tensor? col_scale) -> (Tensor, Tensor)",
+def one_pass_blocks(r: int, c: int) -> tuple[int, int, int]:
+    """(BLOCK_R, SWEEP_C (unused: 1), num_warps) of one pass: whole rows, as many as make 4096
+    values a tile where there are that many, 8-16 values a thread."""
+    row_c = triton.next_power_of_2(c)
+    block_r = min(triton.next_power_of_2(r), max(1, 4096 // row_c))
+    return block_r, 1, min(16, max(4, block_r * row_c // 512))
+
+
+# Rows up to this many values a program (BLOCK_R x next_power_of_2(C)) may take one pass, the
+# row one tile kept in registers. Past it the fused SwiGLU's backward spills: at 16,384 (8b's
+# 14,336) ptxas (sm_90a) spills 144 bytes a thread at 16 warps and 128 at 32, and at 8 warps
+# takes 252 registers, one program a multiprocessor; at 8,192 it spills nothing
+# (tests/test_int8_triton.py compiles every tile offered and checks).
+ONE_PASS_MAX = 8192
+
+
+def row_tile_configs(tiles) -> list:
+    """Autotuning configs of a row kernel from (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) tiles."""
+    return [
+        triton.Config({"ONE_PASS": one, "BLOCK_R": br, "SWEEP_C": sc}, num_warps=w)
+        for one, br, sc, w in tiles
+    ]
+
+
+def prune_row_tiles(configs, named_args, **kwargs):
+    """One pass only where BLOCK_R rows of ROW_C = next_power_of_2(C) values are at most
+    ONE_PASS_MAX; the sweeps only for rows longer than a sweep."""
+    row_c = kwargs["ROW_C"]
+    return [
+        c
+        for c in configs
+        if (
+            c.kwargs["BLOCK_R"] * row_c <= ONE_PASS_MAX
+            if c.kwargs["ONE_PASS"]
+            else c.kwargs["SWEEP_C"] < row_c
+        )
+    ]
+
+
+def launch_rows(
+    kernel, tuned, r: int, c: int, device, args, one_pass=None, rows_contiguous=True, consts=None
+):
+    """Runs a row kernel (ROW_C, BLOCK_R, SWEEP_C and ONE_PASS its last constants) over r rows
+    of c values, `args` its arguments before those and `consts` its other constants by name:
+    `tuned` (autotuned) on a GPU for rows contiguous in memory when one_pass is None, else a
+    fixed tile, of one pass if `one_pass` (when None: for contiguous rows of up to
+    ONE_PASS_MAX values) or of two sweeps."""
+    consts = consts or {}
+    row_c = triton.next_power_of_2(c)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if one_pass is None and rows_contiguous and not INTERPRET:
+            grid = lambda meta: (triton.cdiv(r, meta["BLOCK_R"]),)  # noqa: E731
+            tuned[grid](*args, **consts, ROW_C=row_c)
+            return
+        if one_pass is None:  # the interpreter, or rows strided in memory
+            one_pass = rows_contiguous and row_c <= ONE_PASS_MAX
+        block_r, sweep_c, warps = (
+            one_pass_blocks(r, c) if one_pass else quantize_blocks(r, c, rows_contiguous)
+        )
+        kernel[(triton.cdiv(r, block_r),)](
+            *args,
+            **consts,
+            ROW_C=row_c,
+            BLOCK_R=block_r,
+            SWEEP_C=sweep_c,
+            ONE_PASS=one_pass,
+            num_warps=warps,
+        )
+
+
+def tuned_rows(kernel, configs, key: list[str]):
+    """`kernel` autotuned per `key` among `configs`, pruned by prune_row_tiles."""
+    return triton.autotune(
+        configs=configs,
+        key=key,
+        prune_configs_by={"early_config_prune": prune_row_tiles},
+        **TUNE_KWARGS,
+    )(kernel)
+
+
+# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C) for rows that are
+# contiguous in memory (transposed views take quantize_blocks' fixed tile). Two sweeps of a
+# 2 x 2,048 tile at 8 warps was the only way until the twenty-eighth session, whose 1b trace
+# put this kernel at 14.0 ms a step (dy's quantizes, every layer, the default since). Timed
+# alone (bench/results/2026-11-27-int8), it quantized 1b's 16,384 x 2,048 bf16 activations in
+# 0.075 ms where Inductor's persistent reduction, which loads each row once, took 0.053; one
+# pass here does the same. Registers a thread for sm_90a with bf16 rows (ptxas, none spilled,
+# tests/test_int8_triton.py): one pass of 2,048 at 4/8/16 warps 32/25/22 (2 x 2,048 at 8: 32),
+# of 8,192 at 4/8/16 warps 89/48/32; sweeps 30-40.
+QUANTIZE_TILES = [
+    (True, 1, 1, 4),
+    (True, 2, 1, 8),
+    (True, 1, 1, 8),
+    (True, 1, 1, 16),
+    (False, 2, 2048, 8),
+    (False, 1, 2048, 8),
+]
+_quantize_rowwise_tuned = tuned_rows(
+    _quantize_rowwise_kernel, row_tile_configs(QUANTIZE_TILES), ["R", "C", "HAS_COL_SCALE"]
 )
-def quantize_rowwise(x, col_scale):
+
+
+def quantize_rows(x, col_scale=None, *, one_pass: bool | None = None):
+    """quantize_rowwise's computation. On a GPU, rows contiguous in memory are autotuned among
+    QUANTIZE_TILES; `one_pass` (True or False) forces one pass or two sweeps with a fixed tile
+    (tests and benchmarks); transposed views and the interpreter take a fixed tile too
+    (launch_rows)."""
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_rowwise takes a 2-d float tensor, got {x.dtype} {x.shape}")
     r, c = x.shape
@@ -639,24 +768,20 @@ def quantize_rowwise(x, col_scale):
     if cs is not None and cs.numel() != c:
         raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
     rows_contiguous = x.stride(1) == 1 or c == 1 or x.stride(0) != 1
-    block_r, block_c, warps = quantize_blocks(r, c, rows_contiguous)
-    grid = (triton.cdiv(r, block_r),)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _quantize_rowwise_kernel[grid](
-            x,
-            cs if cs is not None else scale,
-            q,
-            scale,
-            r,
-            c,
-            x.stride(0),
-            x.stride(1),
-            HAS_COL_SCALE=cs is not None,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=warps,
-        )
+    args = (x, cs if cs is not None else scale, q, scale, r, c, x.stride(0), x.stride(1))
+    kernel, tuned = _quantize_rowwise_kernel, _quantize_rowwise_tuned
+    consts = {"HAS_COL_SCALE": cs is not None}
+    launch_rows(kernel, tuned, r, c, x.device, args, one_pass, rows_contiguous, consts)
     return q, scale
+
+
+@torch.library.custom_op(
+    "dtrain::int8_quantize_rowwise",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? col_scale) -> (Tensor, Tensor)",
+)
+def quantize_rowwise(x, col_scale):
+    return quantize_rows(x, col_scale)
 
 
 @quantize_rowwise.register_fake

@@ -214,15 +214,47 @@ def test_quantize_rowwise_equals_eager_bitwise(it, r, c, dtype):
         x[1] = 0.0
         x[2, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5], dtype=dtype)
         x[2, 6:] = 0.0
-    for name, v in {"row-major": x, "transposed view": x.t().contiguous().t()}.items():
-        q, s = it.quantize_rowwise(v, None)
-        qe, se = i8.quantize_rowwise(v)
-        assert torch.equal(s, se), name
-        assert torch.equal(q, qe), (name, (q.int() - qe.int()).abs().max().item())
-    cs = torch.rand(c, device="cuda", generator=g) + 0.1
-    q, s = it.quantize_rowwise(x, cs)
-    qe, se = i8.quantize_rowwise(x.float() * cs)
+    ways = {  # the op (autotuned for row-major x), and each way with a fixed tile
+        "op": lambda v, cs: it.quantize_rowwise(v, cs),
+        "one pass": lambda v, cs: it.quantize_rows(v, cs, one_pass=True),
+        "two sweeps": lambda v, cs: it.quantize_rows(v, cs, one_pass=False),
+    }
+    if c > it.ONE_PASS_MAX:
+        del ways["one pass"]  # never offered there: the row would not fit in registers
+    for way, quantize in ways.items():
+        for name, v in {"row-major": x, "transposed view": x.t().contiguous().t()}.items():
+            q, s = quantize(v, None)
+            qe, se = i8.quantize_rowwise(v)
+            assert torch.equal(s, se), (way, name)
+            assert torch.equal(q, qe), (way, name, (q.int() - qe.int()).abs().max().item())
+        cs = torch.rand(c, device="cuda", generator=g) + 0.1
+        q, s = quantize(x, cs)
+        qe, se = i8.quantize_rowwise(x.float() * cs)
+        assert torch.equal(q, qe) and torch.equal(s, se), way
+
+
+@pytest.mark.parametrize("r,c", [(16384, 2048), (16384, 5632), (8192, 14336), (300, 1000)])
+def test_every_quantize_tile_autotuning_may_choose_is_exact(it, r, c):
+    """Each QUANTIZE_TILES config prune_row_tiles offers for the row, launched as autotuning
+    launches it, against the eager quantize bit for bit (bf16 activations, as training's)."""
+    g = torch.Generator(device="cuda").manual_seed(c)
+    x = (torch.randn(r, c, device="cuda", generator=g) * 3).bfloat16()
+    qe, se = i8.quantize_rowwise(x)
+    row_c = 1 << (c - 1).bit_length()
+    offered = it.prune_row_tiles(it.row_tile_configs(it.QUANTIZE_TILES), {}, ROW_C=row_c)
+    assert offered
+    for cfg in offered:
+        q = torch.empty_like(qe)
+        s = torch.empty_like(se)
+        grid = (-(-r // cfg.kwargs["BLOCK_R"]),)
+        args = (x, s, q, s, r, c, x.stride(0), x.stride(1))
+        kw = dict(HAS_COL_SCALE=False, ROW_C=row_c, num_warps=cfg.num_warps, **cfg.kwargs)
+        it._quantize_rowwise_kernel[grid](*args, **kw)
+        assert torch.equal(s, se) and torch.equal(q, qe), cfg
+    q, s = it.quantize_rowwise(x, None)
     assert torch.equal(q, qe) and torch.equal(s, se)
+    chosen = it.tuned_configs()["quantize"]
+    assert any(k[:3] == (r, c, False) for k in chosen), chosen
 
 
 def test_long_reductions_are_chunked_exactly(monkeypatch):
