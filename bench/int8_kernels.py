@@ -318,8 +318,9 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
             from dtrain.lowp import int8_triton as it
 
             res["triton_ms"] = _try(_first_then_time, ms, partial(it.quantize_rowwise, x, None))
-            # each way with its fixed tile (the op autotunes contiguous rows among both)
-            if _next_pow2(c) <= it.ONE_PASS_MAX:
+            # each way with its fixed tile (the op autotunes contiguous rows among both; rows
+            # strided in memory always take the sweeps, whose tile loads them coalesced)
+            if _next_pow2(c) <= it.ONE_PASS_MAX and not transposed:
                 one = partial(it.quantize_rows, x, None, one_pass=True)
                 res["triton_one_pass_ms"] = _try(_first_then_time, ms, one)
             two = partial(it.quantize_rows, x, None, one_pass=False)

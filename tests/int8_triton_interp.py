@@ -205,7 +205,8 @@ def test_quantize_rowwise_with_column_scales():
 def test_quantize_autotuning_offers_one_pass_only_for_rows_that_fit():
     """On a GPU autotuning chooses the quantize's tile for contiguous rows: one pass where
     BLOCK_R rows of next_power_of_2(C) values are at most ONE_PASS_MAX, sweeps only for rows
-    longer than their tile: dtrain's rows of 2,048 take both, 8b's 14,336 only the sweeps."""
+    longer than their tile: rows of 2,048 take only one pass, 1b's 5,632 both, 8b's 14,336 only
+    the sweeps."""
 
     def offered(c):
         row_c = 1 << (c - 1).bit_length()
@@ -283,7 +284,7 @@ def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkey
     graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
     compiled step's gradients are the eager Triton path's. DTRAIN_INT8_QUANTIZE=apart keeps
     every quantize as the Triton op, =backward those of the backward, =gradients those of dy
-    (not the transposed weights'); by default Inductor gets them to fuse."""
+    (not the transposed weights', the default); =fused leaves them all to Inductor to fuse."""
     monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

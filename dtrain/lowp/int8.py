@@ -40,10 +40,11 @@ are swapped and logged in one line):
     "triton"  dtrain/lowp/int8_triton.py, on CUDA GPUs of compute capability 9.0+ (Hopper) with
               Triton installed: int8 wgmma GEMMs with the dequantization (the outer product of
               the scales and the cast) fused into their epilogue, and, outside torch.compile,
-              a fused quantize kernel (under torch.compile Inductor fuses the quantize into the
-              producer of its input instead, unless DTRAIN_INT8_QUANTIZE=apart keeps the
-              kernel there too). Same numbers as "torch": the integer products are
-              exact and the fp32 dequantization is the same operations in the same order.
+              a fused quantize kernel. Under torch.compile the output gradients' quantizes
+              stay that kernel and Inductor fuses the others into the producers of their
+              inputs (DTRAIN_INT8_QUANTIZE below says where each runs). Same numbers as
+              "torch": the integer products are exact and the fp32 dequantization is the same
+              operations in the same order.
     "torch"   torch._int_mm plus eager (or Inductor-fused) dequantization: portable (CPU, any
               CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
 

@@ -601,8 +601,8 @@ def _quantize_rowwise_kernel(
     SWEEP_C: tl.constexpr,
     ONE_PASS: tl.constexpr,
 ):
-    # One program per BLOCK_R rows, in one of two ways (ROW_TILES): one pass, the row one tile
-    # (ROW_C >= C) loaded once and quantized from registers; or two sweeps of SWEEP_C, the
+    # One program per BLOCK_R rows, in one of two ways (QUANTIZE_TILES): one pass, the row one
+    # tile (ROW_C >= C) loaded once and quantized from registers; or two sweeps of SWEEP_C, the
     # abs-max over the row in the first, then a second load (mostly from L2) to round and store.
     offs_r, r_ok, rows = row_block(R, BLOCK_R)
     if ONE_PASS:
