@@ -13,7 +13,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -45,7 +45,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
-  int8apart|int8bwapart|int8gapart|int8qfused|int8mk|int8tma|int8ptr|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
+  int8apart|int8bwapart|int8gapart|int8qfused|int8qsweeps|int8mk|int8tma|int8ptr|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
@@ -76,11 +76,15 @@ gienv() { case $1 in int8gin) echo input ;; *) echo compute ;; esac; }
 # Triton kernel with their quantizes (DTRAIN_INT8_SWIGLU=fused); int8all: the same now (it
 # added int8gic's compute-dtype grad-input before that became the default).
 swenv() { case $1 in int8swiglu|int8all) echo fused ;; *) echo linears ;; esac; }
+# int8qsweeps: int8 with the quantize op on two sweeps of a fixed tile, the only way before the
+# twenty-eighth session (DTRAIN_INT8_QUANTIZE_TILES=sweeps), not autotuned with one pass.
+qtenv() { case $1 in int8qsweeps) echo sweeps ;; *) echo tuned ;; esac; }
 # Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
 with_env() { local p=$1; shift
   DTRAIN_FP8_TRANSPOSE=$(fp8env $p) DTRAIN_INT8_QUANTIZE=$(int8env $p) \
     TORCHINDUCTOR_MULTI_KERNEL=$(mkenv $p) DTRAIN_INT8_GEMM=$(gemmenv $p) \
-    DTRAIN_INT8_GRAD_INPUT=$(gienv $p) DTRAIN_INT8_SWIGLU=$(swenv $p) "$@"; }
+    DTRAIN_INT8_GRAD_INPUT=$(gienv $p) DTRAIN_INT8_SWIGLU=$(swenv $p) \
+    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) "$@"; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"

@@ -106,6 +106,30 @@ def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
     assert not [r for r in caplog.records if "int8 GEMMs" in r.getMessage()]
 
 
+def test_the_quantize_tile_switch_forces_the_sweeps_and_is_said_in_one_line(monkeypatch, caplog):
+    """DTRAIN_INT8_QUANTIZE_TILES=sweeps: the op takes two sweeps of a fixed tile where it would
+    autotune (or, here in the interpreter, take one pass), and apply_int8 says so once."""
+    seen = []
+    launch = it.launch_rows
+
+    def recorded(*args, **kwargs):
+        seen.append(args[6])  # one_pass
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(it, "launch_rows", recorded)
+    x = torch.randn(5, 70)
+    it.quantize_rowwise(x, None)
+    monkeypatch.setattr(it, "QUANTIZE_TILE", "sweeps")
+    q, s = it.quantize_rowwise(x, None)
+    qe, se = i8.quantize_rowwise(x)
+    assert seen == [None, False] and torch.equal(q, qe) and torch.equal(s, se)
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+    lines = [r.getMessage() for r in caplog.records if "quantize op" in r.getMessage()]
+    assert lines == ["int8 quantize op: two sweeps of a fixed tile, not autotuned "
+                     "(DTRAIN_INT8_QUANTIZE_TILES)"]  # fmt: skip
+
+
 def test_a_bad_gemm_variant_is_one_line(monkeypatch):
     monkeypatch.setenv(it.GEMM_ENV, "sideways")
     with pytest.raises(ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):

@@ -62,6 +62,7 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
     [
         ("DTRAIN_INT8_KERNEL", "auto, triton, torch"),
         ("DTRAIN_INT8_GEMM", "tma or pointer"),
+        ("DTRAIN_INT8_QUANTIZE_TILES", "tuned or sweeps"),
         ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
         ("DTRAIN_INT8_SWIGLU", "linears or fused"),

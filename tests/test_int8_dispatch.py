@@ -38,7 +38,7 @@ def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3", trito
     monkeypatch.setattr(i8, "_triton_installed", lambda: triton)
     # Importing the kernels needs triton; CI may not have it, and nothing here launches them:
     # what apply_int8 reads of the module stands in for it (the default GEMM).
-    ops = SimpleNamespace(GEMM="tma", GEMM_ENV="DTRAIN_INT8_GEMM")
+    ops = SimpleNamespace(GEMM="tma", GEMM_ENV="DTRAIN_INT8_GEMM", QUANTIZE_TILE="tuned")
     monkeypatch.setattr(i8, "_triton_ops", lambda: ops)
 
 

@@ -474,6 +474,11 @@ def apply_int8(
         ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
         if ops.GEMM != "tma":
             log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
+        if ops.QUANTIZE_TILE != "tuned":
+            log.info(
+                "int8 quantize op: two sweeps of a fixed tile, not autotuned (%s)",
+                ops.QUANTIZE_TILE_ENV,
+            )
         if quantize == "fused":
             log.info(
                 "int8 quantizes: all fused into their producers by Inductor (%s)", QUANTIZE_ENV

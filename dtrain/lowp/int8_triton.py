@@ -49,7 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.switches import GEMM_ENV, GEMM_VARIANTS, env_choice
+from dtrain.lowp.switches import (
+    GEMM_ENV,
+    GEMM_VARIANTS,
+    QUANTIZE_TILE_CHOICES,
+    QUANTIZE_TILE_ENV,
+    env_choice,
+)
 
 try:  # Triton >= 3.0 dispatches libdevice per backend here
     from triton.language.extra import libdevice
@@ -748,13 +754,15 @@ QUANTIZE_TILES = [
 _quantize_rowwise_tuned = tuned_rows(
     _quantize_rowwise_kernel, row_tile_configs(QUANTIZE_TILES), ["R", "C", "HAS_COL_SCALE"]
 )
+# QUANTIZE_TILE_ENV=sweeps keeps the op on two sweeps of quantize_blocks' fixed tile (A/B runs).
+QUANTIZE_TILE = env_choice(QUANTIZE_TILE_ENV, QUANTIZE_TILE_CHOICES)
 
 
 def quantize_rows(x, col_scale=None, *, one_pass: bool | None = None):
     """quantize_rowwise's computation. On a GPU, rows contiguous in memory are autotuned among
     QUANTIZE_TILES; `one_pass` (True or False) forces one pass or two sweeps with a fixed tile
-    (tests and benchmarks); transposed views and the interpreter take a fixed tile too
-    (launch_rows)."""
+    (tests and benchmarks), as QUANTIZE_TILE_ENV=sweeps does for the sweeps; transposed views
+    and the interpreter take a fixed tile too (launch_rows)."""
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_rowwise takes a 2-d float tensor, got {x.dtype} {x.shape}")
     r, c = x.shape
@@ -768,6 +776,8 @@ def quantize_rows(x, col_scale=None, *, one_pass: bool | None = None):
     if cs is not None and cs.numel() != c:
         raise ValueError(f"quantize_rowwise: col_scale has {cs.numel()} values for {c} columns")
     rows_contiguous = x.stride(1) == 1 or c == 1 or x.stride(0) != 1
+    if one_pass is None and QUANTIZE_TILE == "sweeps":
+        one_pass = False
     args = (x, cs if cs is not None else scale, q, scale, r, c, x.stride(0), x.stride(1))
     kernel, tuned = _quantize_rowwise_kernel, _quantize_rowwise_tuned
     consts = {"HAS_COL_SCALE": cs is not None}

@@ -24,6 +24,11 @@ def env_choice(env: str, choices: tuple[str, ...]) -> str:
 # at launch needs no Triton.
 GEMM_VARIANTS = ("tma", "pointer")
 GEMM_ENV = "DTRAIN_INT8_GEMM"
+# The row-wise quantize op's tile (dtrain/lowp/int8_triton.py, QUANTIZE_TILES): "tuned" (one
+# pass or two sweeps, autotuned per shape for contiguous rows) or "sweeps" (two sweeps of a
+# fixed tile, the only way before the twenty-eighth session), for the A/B of the two.
+QUANTIZE_TILE_CHOICES = ("tuned", "sweeps")
+QUANTIZE_TILE_ENV = "DTRAIN_INT8_QUANTIZE_TILES"
 
 
 def check_int8_switches() -> None:
@@ -34,6 +39,7 @@ def check_int8_switches() -> None:
     for env, choices in (
         (i8.KERNEL_ENV, i8.KERNEL_CHOICES),
         (GEMM_ENV, GEMM_VARIANTS),
+        (QUANTIZE_TILE_ENV, QUANTIZE_TILE_CHOICES),
         (i8.QUANTIZE_ENV, i8.QUANTIZE_MODES),
         (i8.GRAD_INPUT_ENV, i8.GRAD_INPUT_MODES),
         (sw.SWIGLU_ENV, sw.SWIGLU_MODES),

@@ -234,9 +234,10 @@ def test_quantize_rowwise_equals_eager_bitwise(it, r, c, dtype):
 
 
 @pytest.mark.parametrize("r,c", [(16384, 2048), (16384, 5632), (8192, 14336), (300, 1000)])
-def test_every_quantize_tile_autotuning_may_choose_is_exact(it, r, c):
+def test_every_quantize_tile_autotuning_may_choose_is_exact(it, r, c, monkeypatch):
     """Each QUANTIZE_TILES config prune_row_tiles offers for the row, launched as autotuning
     launches it, against the eager quantize bit for bit (bf16 activations, as training's)."""
+    monkeypatch.setattr(it, "QUANTIZE_TILE", "tuned")  # whatever the environment says
     g = torch.Generator(device="cuda").manual_seed(c)
     x = (torch.randn(r, c, device="cuda", generator=g) * 3).bfloat16()
     qe, se = i8.quantize_rowwise(x)
