@@ -281,10 +281,6 @@ def bench_linears(models, device, with_triton: bool) -> list[dict]:
 QUANTIZE_WAYS = ("eager", "compiled", "triton", "triton_one_pass", "triton_two_sweeps")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def bench_quantize(models, device, with_triton: bool) -> list[dict]:
     import torch
 
@@ -320,7 +316,7 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
             res["triton_ms"] = _try(_first_then_time, ms, partial(it.quantize_rowwise, x, None))
             # each way with its fixed tile (the op autotunes contiguous rows among both; rows
             # strided in memory always take the sweeps, whose tile loads them coalesced)
-            if _next_pow2(c) <= it.ONE_PASS_MAX and not transposed:
+            if c <= it.ONE_PASS_MAX and not transposed:  # a power of two: as prune_row_tiles
                 one = partial(it.quantize_rows, x, None, one_pass=True)
                 res["triton_one_pass_ms"] = _try(_first_then_time, ms, one)
             two = partial(it.quantize_rows, x, None, one_pass=False)
