@@ -179,6 +179,10 @@ def _fp8_mm(a, b, sa, sb):
     return torch._scaled_mm(fa, fb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
+# bf16 first: the others' speed-ups are against it. "grouped": grad-weight GEMMs only.
+GEMM_WAYS = ("bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "grouped", "fp8")
+
+
 def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
     import torch
 
@@ -219,17 +223,24 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                         c32 = torch.empty(m, n, dtype=torch.float32, device=device)
                         tma32 = partial(it._launch_int8_mm_tma, a, b, c32, sa1, sb1)
                         res["triton_tma_f32_ms"] = _try(_first_then_time, ms, tma32)
+                if case["role"] == "grad_weight":  # precision.int8_grad_weight=int8_grouped:
+                    # a scale per row per 128 tokens of the reduction, fp32 out (the weight's)
+                    from dtrain.lowp import int8_grouped_triton as igt
+
+                    sg = torch.rand(m, -(-k // igt.GROUP), device=device) + 0.01
+                    grouped = partial(igt.int8_mm_grouped, a, b, sg, torch.float32)
+                    res["grouped_ms"] = _try(_first_then_time, ms, grouped)
                 # cuBLAS with 8-bit operands, row-wise scales, bf16 out: what fp8 gets
                 res["fp8_ms"] = _try(_first_then_time, ms, partial(_fp8_mm, a, b, sa, sb))
             del a, b, bf16_mm
             seen[key] = res
         res = dict(seen[key])
         flop = 2 * m * n * k
-        for v in ("bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "fp8"):
+        for v in GEMM_WAYS:
             t = res.get(f"{v}_ms")
             if isinstance(t, float):
                 res[f"{v}_tflops"] = flop / t / 1e9
-        for v in ("int_mm_dequant", "triton", "triton_tma", "fp8"):
+        for v in GEMM_WAYS[1:]:
             if isinstance(res.get(f"{v}_ms"), float) and isinstance(res.get("bf16_ms"), float):
                 res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
         out.append({**case, **res})
@@ -543,9 +554,9 @@ def render(res: dict) -> str:
             "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
             "",
             "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
-            "| triton TMA | TMA, fp32 out | fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 "
-            "| TMA vs bf16 | fp8 vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| triton TMA | TMA, fp32 out | grouped (grad-weight, fp32 out) | fp8 _scaled_mm "
+            "| _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 | grouped vs bf16 | fp8 vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gemms:
             lines.append(
@@ -555,10 +566,12 @@ def render(res: dict) -> str:
                 f"| {_cell(g.get('triton_ms'), g.get('triton_tflops'))} "
                 f"| {_cell(g.get('triton_tma_ms'), g.get('triton_tma_tflops'))} "
                 f"| {_cell(g.get('triton_tma_f32_ms'), g.get('triton_tma_f32_tflops'))} "
+                f"| {_cell(g.get('grouped_ms'), g.get('grouped_tflops'))} "
                 f"| {_cell(g.get('fp8_ms'), g.get('fp8_tflops'))} "
                 f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_tma_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(g.get('grouped_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('fp8_speedup_vs_bf16'), '{:.2f}x')} |"
             )
         lines.append("")

@@ -133,7 +133,7 @@ class PrecisionConfig:
     # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py)
     fp8_scaling: Fp8Scaling = "dynamic"
     fp8_amax_history: int = 16
-    # precision=int8: grad_weight matmul in int8 | bf16 (SwitchBack); None: int8's default
+    # precision=int8: grad_weight matmul in int8 | int8_grouped | bf16 (SwitchBack); None: default
     int8_grad_weight: str | None = None
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
     # None: the precision's own (fp32 master gradients are reduced in fp32).

@@ -50,8 +50,8 @@ class Precision:
     fp8_fast_accum: str = "forward"  # which GEMMs accumulate fast: forward, grad_input, all
     fp8_scaling: str = "dynamic"  # inputs' and gradients' scales: dynamic or delayed
     fp8_amax_history: int = 16  # delayed: the steps of amax a scale is taken from
-    # precision=int8 only: grad_weight matmul in "int8" or "bf16" (SwitchBack, from the saved
-    # int8 input); "" for every other precision.
+    # precision=int8 only: grad_weight matmul in "int8", "int8_grouped" (scales per 128 tokens)
+    # or "bf16" (SwitchBack, from the saved int8 input); "" for every other precision.
     int8_grad_weight: str = ""
     summary: str = ""
 
@@ -126,7 +126,8 @@ PRECISIONS: dict[str, Precision] = {
         quantize="int8",
         quantized=f"{_BLOCK_LINEARS}: forward and grad-input matmuls in int8 (torch._int_mm) "
         "with dynamic row-wise scales, grad-weight in bf16 from the int8 input saved for "
-        "backward (`int8_grad_weight=int8`: grad-weight in int8 too)",
+        "backward (`int8_grad_weight=int8`: grad-weight in int8 too; `int8_grouped`: in int8 "
+        "with the output gradients scaled per 128 tokens)",
         int8_grad_weight=INT8_GRAD_WEIGHT_DEFAULT,
         summary="int8 tensor-core matmuls for the blocks' linears, bf16 elsewhere (embeddings, "
         "norms, attention, LM head), fp32 master weights",
@@ -270,7 +271,8 @@ def _check_int8_grad_weight(cfg: PrecisionConfig) -> None:
     if value not in GRAD_WEIGHT_MODES:
         raise ConfigError(
             f"precision.int8_grad_weight={value!r} is not valid; choose "
-            + " or ".join(GRAD_WEIGHT_MODES)
+            + ", ".join(GRAD_WEIGHT_MODES[:-1])
+            + f" or {GRAD_WEIGHT_MODES[-1]}"
         )
     if PRECISIONS[cfg.name].quantize != "int8":
         raise ConfigError(

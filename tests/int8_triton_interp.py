@@ -23,6 +23,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_int8_t
 
 from dtrain.errors import ConfigError  # noqa: E402
 from dtrain.lowp import int8 as i8  # noqa: E402
+from dtrain.lowp import int8_grouped as ig  # noqa: E402
+from dtrain.lowp import int8_grouped_triton as igt  # noqa: E402
 from dtrain.lowp import int8_swiglu as sw  # noqa: E402
 from dtrain.lowp import int8_swiglu_triton as swt  # noqa: E402
 from dtrain.lowp import int8_triton as it  # noqa: E402
@@ -253,7 +255,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16", "int8_grouped"])
 def test_int8_linear_triton_equals_torch(grad_weight):
     """Forward, grad_input and grad_weight: the Triton path computes the portable path's
     numbers bit for bit (fp32 outputs; int32 products are exact, the dequantization is the
@@ -274,6 +276,8 @@ def test_int8_linear_triton_equals_torch(grad_weight):
             assert ops.names.count("int8_mm") == n_mm and "_int_mm" not in ops.names
             # x and w forward, dy and w^T for grad_input, (dy s_x)^T for int8 grad_weight
             assert ops.names.count("int8_quantize_rowwise") == n_mm + 2
+            # the grouped grad_weight: its own GEMM (its quantize is torch ops)
+            assert ops.names.count("int8_mm_grouped") == (grad_weight == "int8_grouped")
     for name, r, t in zip(("y", "dx", "dw", "db"), results["torch"], results["triton"]):
         assert torch.equal(r, t), name
 
@@ -301,15 +305,9 @@ def test_long_reductions_are_chunked_as_the_portable_path_does(monkeypatch):
     assert torch.equal(got, exact)
 
 
-@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
-@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
-def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkeypatch):
-    """fullgraph=True: the custom ops (opaque to Dynamo, with fake implementations) break no
-    graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
-    compiled step's gradients are the eager Triton path's. DTRAIN_INT8_QUANTIZE=apart keeps
-    every quantize as the Triton op, =backward those of the backward, =gradients those of dy
-    (not the transposed weights', the default); =fused leaves them all to Inductor to fuse."""
-    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
+def _compiled_mlp(grad_weight: str, tokens: int):
+    """Two int8 linears on the Triton ops, a step compiled with fullgraph=True and AOTAutograd
+    (no Inductor): (model, loss_fn, x, (forward graph's code, backward graph's code))."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -323,14 +321,26 @@ def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkey
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
     i8.apply_int8(model, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
-    x = torch.randn(4, 32, 64, requires_grad=True)
+    x = torch.randn(4, tokens, 64, requires_grad=True)
 
     def loss_fn(x):
         return model(x).float().pow(2).mean()
 
     backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
     torch.compile(loss_fn, backend=backend, fullgraph=True)(x).backward()
-    fw, bw = codes
+    return model, loss_fn, x, tuple(codes)
+
+
+@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkeypatch):
+    """fullgraph=True: the custom ops (opaque to Dynamo, with fake implementations) break no
+    graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
+    compiled step's gradients are the eager Triton path's. DTRAIN_INT8_QUANTIZE=apart keeps
+    every quantize as the Triton op, =backward those of the backward, =gradients those of dy
+    (not the transposed weights', the default); =fused leaves them all to Inductor to fuse."""
+    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
+    model, loss_fn, x, (fw, bw) = _compiled_mlp(grad_weight, tokens=32)
     n_bw = 2 if grad_weight == "int8" else 1  # per layer: grad_input (+ grad_weight in int8)
     assert fw.count("torch.ops.dtrain.int8_mm") == 2, fw
     assert bw.count("torch.ops.dtrain.int8_mm") == 2 * n_bw, bw
@@ -361,6 +371,67 @@ def test_dispatch_in_the_interpreter(monkeypatch):
     assert i8.select_kernel("cpu")[0] == "triton"
     monkeypatch.delenv(i8.KERNEL_ENV)
     assert i8.select_kernel("cpu") == ("torch", "no CUDA device")
+
+
+# --- the grouped grad-weight GEMM (dtrain/lowp/int8_grouped_triton.py) --------------------------
+
+# (N, M, K) of dW (N, K) = gq (N, M) @ xq (M, K): reductions M of one group, a short last one,
+# under a group; odd N and K.
+GROUPED_SHAPES = [(33, 300, 70), (5, 128, 16), (64, 1, 40), (1, 129, 1), (17, 256, 33)]
+
+
+def _grouped_operands(n, m, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (n, m), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (k, m), dtype=torch.int8, generator=g).t()  # column-major
+    s = torch.rand(n, -(-m // ig.GROUP), generator=g) + 0.01
+    return a, b, s
+
+
+@pytest.mark.parametrize("n,m,k", GROUPED_SHAPES)
+def test_grouped_gemm_is_the_portable_path_bit_for_bit(n, m, k):
+    a, b, s = _grouped_operands(n, m, k)
+    ref = ig.grouped_int_mm(a, s, b, torch.float32)
+    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
+    # any strides: a row-major b too (the kernel loads through pointers)
+    assert torch.equal(igt.int8_mm_grouped(a, b.contiguous(), s, torch.float32), ref)
+    assert _bf16_step_apart(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref)
+
+
+def test_grouped_gemm_full_scale_values_do_not_overflow():
+    full = torch.full((3, 384), 127, dtype=torch.int8)
+    got = igt.int8_mm_grouped(full, full.t(), torch.ones(3, 3), torch.float32)
+    assert torch.equal(got, torch.full((3, 3), 384 * 127.0**2))
+
+
+def test_grouped_gemm_rejects_what_it_cannot_compute():
+    a, b, s = _grouped_operands(4, 200, 6)
+    with pytest.raises(ValueError, match="2-d int8 operands"):
+        igt.int8_mm_grouped(a.float(), b, s, torch.float32)
+    with pytest.raises(ValueError, match="do not chain"):
+        igt.int8_mm_grouped(a, b[:100], s, torch.float32)
+    with pytest.raises(ValueError, match=r"a_scale must be fp32 of shape \(4, 2\)"):
+        igt.int8_mm_grouped(a, b, s[:, :1], torch.float32)
+    with pytest.raises(ValueError, match="float dtype"):
+        igt.int8_mm_grouped(a, b, s, torch.int32)
+    empty = igt.int8_mm_grouped(a[:, :0], b[:0], s[:, :0], torch.float32)
+    assert torch.equal(empty, torch.zeros(4, 6))
+
+
+def test_grouped_grad_weight_compiles_in_one_graph_with_its_gemm():
+    """fullgraph=True with grad_weight="int8_grouped": its GEMM is one custom op in the backward
+    graph (per layer), its quantize is left to the compiler, and the compiled step's gradients
+    are the eager Triton path's."""
+    model, loss_fn, x, (fw, bw) = _compiled_mlp("int8_grouped", tokens=64)  # 256: two groups
+    assert "int8_mm_grouped" not in fw
+    assert bw.count("torch.ops.dtrain.int8_mm_grouped") == 2, bw
+    assert bw.count("torch.ops.dtrain.int8_mm.") == 2, bw  # grad_input only
+    assert "_int_mm" not in fw + bw
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_fn(x).backward()
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 
 # --- the fused SwiGLU's kernels (dtrain/lowp/int8_swiglu_triton.py) -----------------------------

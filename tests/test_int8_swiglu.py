@@ -49,7 +49,7 @@ def _loss_and_grads(model: nn.Module):
 
 
 @pytest.mark.parametrize("grad_input", ["input", "compute"])
-@pytest.mark.parametrize("grad_weight", ["bf16", "int8"])
+@pytest.mark.parametrize("grad_weight", ["bf16", "int8", "int8_grouped"])
 def test_fused_swiglu_is_the_three_linears_bit_for_bit(grad_weight, grad_input, monkeypatch):
     monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)
     ref = _int8_model(monkeypatch, "linears", grad_weight)

@@ -57,15 +57,11 @@ def _cuobjdump() -> str | None:
     return tool if os.path.exists(tool) else None
 
 
-def _kernel_resources(kernel, types: dict, consts: dict, warps: int) -> tuple[int, int]:
-    """(registers, local bytes) a thread of `kernel` takes compiled for sm_90a, its arguments
-    typed by `types` (pointers and integers, in order) and `consts`, as the runtime compiles it
-    for training's tensors (pointers and integers but R 16-byte aligned / divisible by 16:
-    Triton then vectorizes the loads, which changes the register count): Triton compiles it
-    here, cuobjdump reads the cubin."""
-    import os
-    import tempfile
-
+def _compile_sm90(kernel, types: dict, consts: dict, warps: int, stages: int | None = None):
+    """`kernel` compiled for sm_90a by Triton here (no GPU needed), its arguments typed by
+    `types` (pointers and integers, in order) and `consts`, as the runtime compiles it for
+    training's tensors (pointers and integers but R 16-byte aligned / divisible by 16: Triton
+    then vectorizes the loads, which changes the register count)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,7 +72,17 @@ def _kernel_resources(kernel, types: dict, consts: dict, warps: int) -> tuple[in
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _kernel_resources(kernel, types: dict, consts: dict, warps: int, stages=None):
+    """(registers, local bytes) a thread of `kernel` takes compiled for sm_90a (_compile_sm90);
+    cuobjdump reads the cubin."""
+    import os
+    import tempfile
+
+    compiled = _compile_sm90(kernel, types, consts, warps, stages)
     tool = _cuobjdump()
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -163,3 +169,29 @@ def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(m
             assert local == 0 and regs * 32 * cfg.num_warps <= 65536, (cfg, row_c, regs)
             seen_one_pass |= cfg.kwargs["ONE_PASS"]
     assert seen_one_pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkeypatch):
+    """The grouped grad-weight GEMM compiled for sm_90a as training launches it (both operands
+    K-major, fp32 out): its int8 dot is Hopper's wgmma (s32 += s8 x s8), every tile autotuning
+    may choose fits the register file with nothing spilled, and the per-group promotion is a
+    multiply and an add each rounded to nearest (no fused multiply-add, no flush to zero): the
+    portable path's arithmetic, which the GPU tests compare bit for bit."""
+    _skip_without_sm90_compiler(monkeypatch)
+    from dtrain.lowp import int8_grouped_triton as igt
+
+    types = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*fp32", "s_ptr": "*fp32"}
+    types.update(M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
+    types.update(stride_cm="i32", stride_sm="i32")
+    for bm, bn, bk, warps, stages in [*igt._TILES, igt._SMALL]:
+        consts = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_sg=1, EVEN_K=True)
+        consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+        kernel = igt._int8_mm_grouped_kernel
+        regs, local = _kernel_resources(kernel, types, consts, warps, stages)
+        assert local == 0 and regs * 32 * warps <= 65536, ((bm, bn, warps), regs)
+        ptx = _compile_sm90(kernel, types, consts, warps, stages).asm["ptx"]
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
+        assert "mma.sync" not in ptx
+        assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
+        assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)

@@ -201,7 +201,7 @@ def test_int8_grad_input_in_the_compute_dtype_is_the_wide_one_rounded_once():
         i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), grad_input="sideways")
 
 
-@pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
+@pytest.mark.parametrize("grad_weight", ["int8", "bf16", "int8_grouped"])
 def test_int8_linear_compiles_in_one_graph_forward_and_backward(grad_weight):
     """fullgraph=True: no graph break in either grad_weight mode (aot_eager traces forward and
     backward as Inductor would, without its slow CPU code generation)."""
@@ -444,7 +444,10 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=fp8"], "fp8_emulate=true"),
         (["precision=fp8", "precision.fp8_recipe=blockwise"], "tensorwise or rowwise"),
         (["precision=fp64"], "valid choices"),
-        (["precision=int8", "precision.int8_grad_weight=fp16"], "choose int8 or bf16"),
+        (
+            ["precision=int8", "precision.int8_grad_weight=fp16"],
+            "choose int8, bf16 or int8_grouped",
+        ),
         (["precision=bf16", "+precision.int8_grad_weight=bf16"], "precision=int8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=false"], "precision=fp8 only"),
         (["precision=bf16", "+precision.fp8_all_gather=true"], "precision=fp8 only"),

@@ -81,9 +81,10 @@ INV_QMAX = 1.0 / QMAX
 # int32 accumulation overflows past 2**31 / 127**2 = 133,143 products of full-scale values;
 # longer reductions (grad_weight over many tokens) are split into chunks this long.
 MAX_REDUCTION = 131072
-# How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input) or "bf16"
-# (SwitchBack: a matmul in the compute dtype from the dequantized int8 input).
-GRAD_WEIGHT_MODES = ("int8", "bf16")
+# How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input), "bf16"
+# (SwitchBack: a matmul in the compute dtype from the dequantized int8 input) or "int8_grouped"
+# (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8_grouped.py).
+GRAD_WEIGHT_MODES = ("int8", "bf16", "int8_grouped")
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
 # (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")
@@ -154,6 +155,11 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, *, pad: bool | None = None) -> torc
             part = int_mm(a_part, b_part, pad=pad).float()
             out = part if out is None else out + part
         return out
+    if k == 1:
+        # An outer product. torch._int_mm on CPU returns garbage for K = 1 (torch 2.13: every
+        # (M, N) tried, b (1, N) with strides (1, 1)), which a short last group of
+        # int8_grouped's reduction can be.
+        return a.int() * b.int()
     if pad is None:
         pad = a.device.type == "cuda"
     if pad and (m <= 16 or k % 8 or n % 8):
@@ -304,11 +310,17 @@ def mm_grad_input(gq, gs, weight, out_dtype, kernel: str, apart_w: bool) -> torc
 
 
 def mm_grad_weight(
-    g, xq, xs, weight_dtype, compute_dtype, int8: bool, kernel: str, apart_g: bool, x_deq=None
+    g, xq, xs, weight_dtype, compute_dtype, mode: str, kernel: str, apart_g: bool, x_deq=None
 ) -> torch.Tensor:
-    """dW = dy^T x from the output gradient g (M, N) and the saved int8 input: in int8 (`int8`)
-    or SwitchBack's compute-dtype matmul from the dequantized input (`x_deq` if given)."""
-    if int8:
+    """dW = dy^T x from the output gradient g (M, N) and the saved int8 input, as `mode` (one
+    of GRAD_WEIGHT_MODES) says: in int8 with one scale per output channel ("int8") or per
+    output channel per 128 tokens ("int8_grouped"), or SwitchBack's compute-dtype matmul from
+    the dequantized input ("bf16"; `x_deq` if given)."""
+    if mode == "int8_grouped":
+        from dtrain.lowp.int8_grouped import grad_weight_grouped
+
+        return grad_weight_grouped(g, xq, xs, weight_dtype, kernel)
+    if mode == "int8":
         # Fold the per-token input scales into dy (see the module docstring), then quantize
         # per output channel over the tokens: (N, M) int8, (N, 1).
         gtq, gts = _quantize(g.t(), kernel, col_scale=xs, apart=apart_g)
@@ -339,7 +351,7 @@ def apart_flags(quantize: str) -> tuple[bool, bool, bool]:
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, int8_grad_weight, kernel, quantize, grad_input):
+    def forward(ctx, x, weight, bias, out_dtype, grad_weight, kernel, quantize, grad_input):
         apart, ctx.apart_g, ctx.apart_w = apart_flags(quantize)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
@@ -350,7 +362,7 @@ class _Int8LinearFn(torch.autograd.Function):
         # The weight is the parameter itself (no copy); the input only as int8 + scales.
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
-        ctx.out_dtype, ctx.int8_grad_weight, ctx.kernel = out_dtype, int8_grad_weight, kernel
+        ctx.out_dtype, ctx.grad_weight, ctx.kernel = out_dtype, grad_weight, kernel
         ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
@@ -366,7 +378,7 @@ class _Int8LinearFn(torch.autograd.Function):
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = mm_grad_weight(
-                g, xq, xs, weight.dtype, ctx.out_dtype, ctx.int8_grad_weight, kernel, ctx.apart_g
+                g, xq, xs, weight.dtype, ctx.out_dtype, ctx.grad_weight, kernel, ctx.apart_g
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
@@ -395,8 +407,9 @@ def int8_linear(
 ) -> torch.Tensor:
     """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
 
-    `grad_weight`: "int8" (all three matmuls int8) or "bf16" (SwitchBack: grad_weight in the
-    compute dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
+    `grad_weight`: "int8" (all three matmuls int8), "int8_grouped" (the same, grad_weight's
+    output gradients scaled per 128 tokens) or "bf16" (SwitchBack: grad_weight in the compute
+    dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
     (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
     under torch.compile with "triton", "fused" into the producer, "apart", apart in the
     backward only ("backward") or for the output gradients only ("gradients"; QUANTIZE_MODES).
@@ -411,8 +424,8 @@ def int8_linear(
         raise ValueError(f"grad_input={grad_input!r}; choose one of {GRAD_INPUT_MODES}")
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    int8_gw = grad_weight == "int8"
-    return _Int8LinearFn.apply(x, weight, bias, out_dtype, int8_gw, kernel, quantize, grad_input)
+    args = (out_dtype, grad_weight, kernel, quantize, grad_input)
+    return _Int8LinearFn.apply(x, weight, bias, *args)
 
 
 class Int8Linear(nn.Linear):
@@ -452,7 +465,7 @@ def apply_int8(
     kernel: str | None = None,
 ) -> int:
     """Swap, in place, every nn.Linear in `module` for which filter_fn(linear, fqn) holds;
-    `grad_weight` ("int8" or "bf16") is how the swapped layers compute grad_weight, `kernel`
+    `grad_weight` (GRAD_WEIGHT_MODES) is how the swapped layers compute grad_weight, `kernel`
     ("triton" or "torch") which kernels run their matmuls: None chooses by the device the
     module will run on (`select_kernel`) and logs the choice in one line.
 
@@ -472,6 +485,8 @@ def apply_int8(
         log.info("int8 grad-input: written in the input's dtype (%s)", GRAD_INPUT_ENV)
     if kernel == "triton":
         ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
+        if grad_weight == "int8_grouped":
+            from dtrain.lowp import int8_grouped_triton  # noqa: F401 - registers its op
         if ops.GEMM != "tma":
             log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
         if ops.QUANTIZE_TILE != "tuned":

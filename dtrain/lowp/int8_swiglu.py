@@ -83,7 +83,7 @@ def _swiglu_backward(dh, a, b, kernel: str, apart_g: bool, apart: bool):
 
 class _Int8SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, out_dtype, int8_grad_weight, kernel, quantize, grad_input):
+    def forward(ctx, x, w1, w3, w2, out_dtype, grad_weight, kernel, quantize, grad_input):
         apart, ctx.apart_g, ctx.apart_w = i8.apart_flags(quantize)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, D)
@@ -98,21 +98,21 @@ class _Int8SwiGLUFn(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, a, b, w1, w3, w2)
         ctx.apart = apart
         ctx.x_shape, ctx.x_dtype, ctx.out_dtype = shape, x.dtype, out_dtype
-        ctx.int8_grad_weight, ctx.kernel = int8_grad_weight, kernel
+        ctx.grad_weight, ctx.kernel = grad_weight, kernel
         ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         xq, xs, a, b, w1, w3, w2 = ctx.saved_tensors
-        kernel, int8_gw, cd = ctx.kernel, ctx.int8_grad_weight, ctx.out_dtype
+        kernel, gw, cd = ctx.kernel, ctx.grad_weight, ctx.out_dtype
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (M, D)
         dx = dw1 = dw3 = dw2 = None
         if not (need_x or need_w1 or need_w3):
             if need_w2:
                 hq, hs = _swiglu_quantize(a, b, kernel, ctx.apart)
-                dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
+                dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, gw, kernel, ctx.apart_g)
             return dx, dw1, dw3, dw2, None, None, None, None, None
         # w2: its input h is in the compute dtype, so is dh (as the unfused w2's grad-input).
         gq, gs = i8._quantize(g, kernel, apart=ctx.apart_g)
@@ -121,7 +121,7 @@ class _Int8SwiGLUFn(torch.autograd.Function):
             dh, a, b, kernel, ctx.apart_g, ctx.apart
         )
         if need_w2:
-            dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, int8_gw, kernel, ctx.apart_g)
+            dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, gw, kernel, ctx.apart_g)
         del hq, hs
         if need_x:
             dx = i8.mm_grad_input(gaq, gas, w1, ctx.grad_x_dtype, kernel, ctx.apart_w)
@@ -130,11 +130,11 @@ class _Int8SwiGLUFn(torch.autograd.Function):
             ).to(ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
         # Once, for w1 and w3 (and not at all when neither needs its gradient).
-        x_deq = None if int8_gw or not (need_w1 or need_w3) else i8.dequantize(xq, xs, cd)
+        x_deq = i8.dequantize(xq, xs, cd) if gw == "bf16" and (need_w1 or need_w3) else None
         if need_w1:
-            dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
+            dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, gw, kernel, ctx.apart_g, x_deq)
         if need_w3:
-            dw3 = i8.mm_grad_weight(gb, xq, xs, w3.dtype, cd, int8_gw, kernel, ctx.apart_g, x_deq)
+            dw3 = i8.mm_grad_weight(gb, xq, xs, w3.dtype, cd, gw, kernel, ctx.apart_g, x_deq)
         return dx, dw1, dw3, dw2, None, None, None, None, None
 
 
@@ -149,7 +149,7 @@ def int8_swiglu(x, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Ten
         up.weight,
         down.weight,
         out_dtype,
-        gate.grad_weight == "int8",
+        gate.grad_weight,
         gate.kernel,
         gate.quantize,
         gate.grad_input,

@@ -104,7 +104,8 @@ def gemm_variant() -> str:
 GEMM = gemm_variant()
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+def gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    """A GEMM tile (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) as autotuning takes it."""
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
         num_warps=warps,
@@ -112,15 +113,19 @@ def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config
     )
 
 
-_BIG_CONFIGS = [_config(*c) for c in _BIG]
-_SMALL_CONFIG = _config(*_SMALL)
+def small_work_pruner(small: triton.Config):
+    """Autotuning's pruner for a GEMM whose configs include `small`: problems under
+    _SMALL_WORK multiply-adds get `small` only (untimed), the others every config but it."""
+
+    def prune(configs, named_args, **kwargs):
+        is_small = named_args["M"] * named_args["N"] * named_args["K"] < _SMALL_WORK
+        return [c for c in configs if (c is small) == is_small]
+
+    return prune
 
 
-def _prune(configs, named_args, **kwargs):
-    """Small problems: only the small config (it is in the list for exactly this)."""
-    if named_args["M"] * named_args["N"] * named_args["K"] < _SMALL_WORK:
-        return [c for c in configs if c is _SMALL_CONFIG]
-    return [c for c in configs if c is not _SMALL_CONFIG]
+_BIG_CONFIGS = [gemm_config(*c) for c in _BIG]
+_SMALL_CONFIG = gemm_config(*_SMALL)
 
 
 @triton.jit
@@ -174,6 +179,39 @@ def _dequantize_store(
 
 
 @triton.jit
+def tile_pointers(
+    a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """This program's output tile (grouped order) for a pointer-load GEMM: its rows and columns
+    (offs_m, offs_n), its rows as 64-bit offsets inside M, the K offsets and the first K step's
+    operand pointers, a (BM, BK) and b (BK, BN)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows/columns past the edge read row/column (i mod M) instead: always in bounds, no mask
+    # in the loop; their results are dropped by the masked store.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    return offs_m, offs_n, rows, offs_k, a_ptrs, b_ptrs
+
+
+@triton.jit
+def load_k_tiles(a_ptrs, b_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """One K step's operand tiles; past K (k_left values left) zeros, which add nothing."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+    return a, b
+
+
+@triton.jit
 def _int8_mm_kernel(
     a_ptr,
     b_ptr,
@@ -197,27 +235,13 @@ def _int8_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows/columns past the edge read row/column (i mod M) instead: always in bounds, no mask
-    # in the loop; their results are dropped by the masked store.
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
-
+    offs_m, offs_n, _, offs_k, a_ptrs, b_ptrs = tile_pointers(
+        a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    )  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        a, b = load_k_tiles(a_ptrs, b_ptrs, offs_k, K - k * BLOCK_K, EVEN_K)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -258,7 +282,7 @@ if "cache_results" in _TUNE_PARAMS:  # the choice per shape kept on disk: a seco
 _int8_mm_tuned = triton.autotune(
     configs=[*_BIG_CONFIGS, _SMALL_CONFIG],
     key=["M", "N", "K"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": small_work_pruner(_SMALL_CONFIG)},
     **TUNE_KWARGS,
 )(_int8_mm_kernel)
 

@@ -294,7 +294,7 @@ def _train(model, steps=3, compile=False):
 
 
 @pytest.mark.parametrize("grad_input", ["input", "compute"])
-@pytest.mark.parametrize("grad_weight", ["bf16", "int8"])
+@pytest.mark.parametrize("grad_weight", ["bf16", "int8", "int8_grouped"])
 def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight, grad_input, monkeypatch):
     monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)  # the fp32 input's gradient: bf16 GEMM?
     ref, tri = _mlp(), _mlp()
@@ -325,6 +325,48 @@ def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
         rel = ((t.float() - r.float()).norm() / r.float().norm()).item()
         assert rel < 5e-2, (name, rel)
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-2, atol=0)
+
+
+# --- the grouped grad-weight GEMM (dtrain/lowp/int8_grouped_triton.py) --------------------------
+
+# (N, M, K) of dW = gq (N, M) @ xq (M, K): odd ones, then 1b's grad-weights at 16384 tokens.
+GROUPED = [(33, 300, 70), (1, 129, 1), (130, 1000, 72), (2048, 16384, 5632), (5632, 16384, 2048)]
+
+
+def _grouped_operands(n, m, k, seed=0):
+    from dtrain.lowp.int8_grouped import GROUP
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randint(-127, 128, (n, m), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (k, m), dtype=torch.int8, device="cuda", generator=g).t()
+    s = torch.rand(n, -(-m // GROUP), device="cuda", generator=g) + 0.01
+    return a, b, s
+
+
+@pytest.mark.parametrize("n,m,k", GROUPED)
+def test_grouped_gemm_is_the_portable_paths_bit_for_bit(n, m, k):
+    """Autotuned, against one torch._int_mm per group, scaled and added in fp32 as eager does
+    (the kernel's multiply and add are rounded apart, no fused multiply-add)."""
+    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp import int8_grouped_triton as igt
+
+    a, b, s = _grouped_operands(n, m, k)
+    ref = ig.grouped_int_mm(a, s, b, torch.float32)
+    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
+    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
+
+
+def test_every_grouped_tile_autotuning_may_choose_is_exact():
+    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp import int8_grouped_triton as igt
+
+    n, m, k = 1024 + 48, 2048 + 64, 512 + 40  # edges in every dimension, a short last group
+    a, b, s = _grouped_operands(n, m, k)
+    ref = ig.grouped_int_mm(a, s, b, torch.float32)
+    for config in [*igt._TILES, igt._SMALL]:
+        out = torch.empty(n, k, device="cuda")
+        igt.launch(a, b, s, out, config=config)
+        assert torch.equal(out, ref), config
 
 
 # --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------

@@ -1,0 +1,80 @@
+"""precision=int8's grad-weight in int8 with one scale per output channel per 128 tokens
+(`precision.int8_grad_weight=int8_grouped`).
+
+dW = dy^T x sums over the tokens. The saved input is int8 with one scale per token (sx), which
+dtrain/lowp/int8.py folds into dy, so the saved codes are used as they are:
+
+    dW[n, k] = sum_m (dy[m, n] sx[m]) xq[m, k]
+
+Its "int8" mode then quantizes g = dy * sx per output channel over every token of the batch: a
+few tokens with large gradients flatten the rest (29 dB against fp32 in tests/test_precision.py,
+where SwitchBack's bf16 grad-weight reaches 42). Here g takes one scale per output channel per
+group of GROUP consecutive tokens, the fine-grained scaling DeepSeek-V3 gives its fp8 GEMMs
+(1 x 128 tiles along the reduction):
+
+    s[n, j]  = max over the tokens m of group j of |g[m, n]|, times 1/127
+    gq[n, m] = round(g[m, n] / s[n, j])                          int8, (N, M): tokens contiguous
+    dW[n, k] = sum over the groups j, in order, of float(sum_{m in j} gq[n, m] xq[m, k]) * s[n, j]
+
+Each group's integer sum is exact (at most 128 * 127^2 < 2^24, so exact in fp32 too); it is
+scaled and added to an fp32 accumulator group by group. A loud token now flattens only its own
+group's 127 neighbours. The GEMM reads gq with the tokens contiguous and xq column-major (both
+operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once per layer, as in
+the "int8" mode.
+
+Two implementations, the same numbers (the same fp32 operations in the same order):
+dtrain/lowp/int8_grouped_triton.py (the Triton kernel: the promotion in its K loop, on Hopper)
+and `grouped_int_mm` here (one torch._int_mm per group: portable, slow on long reductions;
+CPU tests and GPUs without the Triton kernels). Under torch.compile the quantize below is traced,
+so Inductor fuses it (and the transposes) into few kernels; the Triton GEMM is a custom op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtrain.lowp.int8 import INV_QMAX, QMAX, _triton_applies, int_mm
+
+# Tokens per scale: the GEMM's BLOCK_K, so each K step of its loop is one group.
+GROUP = 128
+
+
+def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
+    """g (M, N), token_scale (M, 1) -> gq (N, M) int8 row-major, scales (N, ceil(M / GROUP))
+    fp32: g * token_scale quantized per column per GROUP rows, transposed (tokens contiguous).
+    The arithmetic is int8.quantize_rowwise's: abs-max * fp32(1/127), an IEEE division, round
+    half to even, clamp to [-127, 127]."""
+    m, n = g.shape
+    v = g.float() * token_scale.reshape(-1, 1)
+    groups = -(-m // GROUP)
+    v = F.pad(v, (0, 0, 0, groups * GROUP - m)).view(groups, GROUP, n)  # zeros: codes of 0
+    scale = v.abs().amax(dim=1).clamp_min(1e-12) * INV_QMAX  # (groups, N)
+    q = (v / scale[:, None, :]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    q = q.view(groups * GROUP, n)[:m]
+    return q.t().contiguous(), scale.t().contiguous()
+
+
+def grouped_int_mm(
+    aq: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """aq (N, M) int8, a_scale (N, ceil(M / GROUP)) fp32, b (M, K) int8 -> (N, K) out_dtype:
+    the sum over the groups j, in order, of float(aq[:, j] @ b[j]) * a_scale[:, j], in fp32."""
+    out = torch.zeros((aq.shape[0], b.shape[1]), dtype=torch.float32, device=aq.device)
+    for j in range(a_scale.shape[1]):
+        lo, hi = j * GROUP, (j + 1) * GROUP
+        part = int_mm(aq[:, lo:hi].contiguous(), b[lo:hi].t().contiguous().t())
+        out = out + part.float() * a_scale[:, j : j + 1]
+    return out.to(out_dtype)
+
+
+def grad_weight_grouped(g, xq, xs, weight_dtype: torch.dtype, kernel: str) -> torch.Tensor:
+    """dW (N, K) in weight_dtype from the output gradient g (M, N) and the saved int8 input
+    xq (M, K) with its per-token scales xs (M, 1), on the chosen kernels."""
+    gq, gs = quantize_groups(g, xs)  # (N, M), (N, groups)
+    xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major: K-major for the GEMM
+    if kernel == "triton" and _triton_applies(gq):
+        from dtrain.lowp import int8_grouped_triton  # registers dtrain::int8_mm_grouped
+
+        return int8_grouped_triton.int8_mm_grouped(gq, xq_colmajor, gs, weight_dtype)
+    return grouped_int_mm(gq, gs, xq_colmajor, weight_dtype)

@@ -1,0 +1,206 @@
+"""The Triton GEMM of precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py).
+
+    int8_mm_grouped(a, b, a_scale, out_dtype)
+        a (N, M) int8 with its rows' elements contiguous, b (M, K) int8 column-major (both
+        K-major, as Hopper's int8 wgmma reads them), a_scale (N, ceil(M / 128)) fp32: one scale
+        per row of a per 128 consecutive elements of the reduction. Returns (N, K) out_dtype:
+            out = sum over j, in order, of float32(a[:, j] @ b[j]) * a_scale[:, j]
+        with j the reduction's groups of 128. Each program's K loop takes one group a step:
+        an int32 wgmma product of the group, promoted to fp32, scaled per row and added to an
+        fp32 accumulator, so no int32 sum spans two scales and nothing reaches memory but the
+        result. The multiply and the add are rounded apart (no fused multiply-add), as the
+        portable `grouped_int_mm` computes them: the result is its bits.
+
+Tiles: BLOCK_K is the group (128). The two accumulators (int32 per group, fp32 across them)
+take BLOCK_M * BLOCK_N / (16 * num_warps) registers a thread, so the tiles are at most 128 x 128
+at 8 warps (int8_triton's 128 x 256 would need 256). Loads go through pointers, rows past an
+edge wrap around inside the tensor (their results are not stored) and the last group is masked
+with zeros, which add nothing. With TRITON_INTERPRET=1 it runs on CPU tensors in Triton's
+interpreter, one small configuration (CPU tests: tests/int8_triton_interp.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dtrain.lowp.int8_grouped import GROUP
+from dtrain.lowp.int8_triton import (
+    INTERPRET,
+    TUNE_KWARGS,
+    _run,
+    chosen_configs,
+    gemm_config,
+    load_k_tiles,
+    small_work_pruner,
+    tile_pointers,
+)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K = GROUP, num_warps, num_stages): 32 KB of shared memory a stage at
+# 128 x 128. Not yet timed on a GPU: autotuning chooses among them per shape.
+_TILES = [
+    (128, 128, GROUP, 8, 3),
+    (128, 128, GROUP, 8, 4),
+    (64, 128, GROUP, 4, 4),
+    (128, 64, GROUP, 4, 4),
+]
+_SMALL = (64, 64, GROUP, 4, 2)
+_INTERPRET_CONFIG = (32, 32, GROUP, 4, 1)
+
+
+_CONFIGS = [gemm_config(*t) for t in _TILES]
+_SMALL_CONFIG = gemm_config(*_SMALL)
+
+
+if INTERPRET:
+
+    @triton.jit
+    def _scaled_add(acc, part, s):
+        return acc + part * s  # numpy: each operation rounded, no fused multiply-add
+
+else:
+
+    @triton.jit
+    def _scaled_add(acc, part, s):
+        # Rounded apart, as eager's `out + part * s`: the compiler would contract a plain
+        # multiply and add into one fused multiply-add (one rounding, other bits), and
+        # libdevice's mul_rn/add_rn compile to flush-to-zero forms (.ftz), which eager's CUDA
+        # kernels are not. PTX's explicit .rn forms are neither contracted nor flushed.
+        s = tl.broadcast_to(s, part.shape)
+        prod = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part, s], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _int8_mm_grouped_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_sm,
+    stride_sg,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    offs_m, offs_n, rows, offs_k, a_ptrs, b_ptrs = tile_pointers(
+        a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    )  # fmt: skip
+    s_ptrs = s_ptr + rows * stride_sm  # (BM,): the rows' scales of the group
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, tl.cdiv(K, BLOCK_K)):
+        a, b = load_k_tiles(a_ptrs, b_ptrs, offs_k, K - j * BLOCK_K, EVEN_K)
+        part = tl.dot(a, b, out_dtype=tl.int32)  # this group's exact sum
+        s = tl.load(s_ptrs + j * stride_sg)
+        acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    c_ptrs = (
+        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    )
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+_tuned = triton.autotune(
+    configs=[*_CONFIGS, _SMALL_CONFIG],
+    key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": small_work_pruner(_SMALL_CONFIG)},
+    **TUNE_KWARGS,
+)(_int8_mm_grouped_kernel)
+
+
+def tuned_configs() -> dict:
+    """{"grouped": {(M, N, K, dtypes...): the config autotuning chose}} so far."""
+    return chosen_configs(grouped=_tuned)
+
+
+def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
+    """The grouped GEMM into `out`: autotuned, or with `config` = (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages) (tests run every tile autotuning may choose)."""
+    m, k = a.shape
+    n = b.shape[1]
+    args = (
+        a,
+        b,
+        out,
+        a_scale,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        a_scale.stride(0),
+        a_scale.stride(1),
+    )
+    if INTERPRET:
+        config = _INTERPRET_CONFIG
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _run(_int8_mm_grouped_kernel, _tuned, grid, args, {"EVEN_K": k % GROUP == 0}, config, a.device)
+
+
+def _check(a, b, a_scale, out_dtype) -> None:
+    if a.dtype != torch.int8 or b.dtype != torch.int8 or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"int8_mm_grouped takes 2-d int8 operands, got {a.dtype} {tuple(a.shape)}, "
+            f"{b.dtype} {tuple(b.shape)}"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"int8_mm_grouped: shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain"
+        )
+    groups = -(-a.shape[1] // GROUP)
+    if a_scale.dtype != torch.float32 or tuple(a_scale.shape) != (a.shape[0], groups):
+        raise ValueError(
+            f"int8_mm_grouped: a_scale must be fp32 of shape {(a.shape[0], groups)}, got "
+            f"{a_scale.dtype} {tuple(a_scale.shape)}"
+        )
+    if not out_dtype.is_floating_point:
+        raise ValueError(f"int8_mm_grouped: out_dtype must be a float dtype, got {out_dtype}")
+
+
+@torch.library.custom_op(
+    "dtrain::int8_mm_grouped",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor a_scale, ScalarType out_dtype) -> Tensor",
+)
+def int8_mm_grouped(a, b, a_scale, out_dtype):
+    _check(a, b, a_scale, out_dtype)
+    m, n = a.shape[0], b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if a.shape[1] == 0:
+        return out.zero_()
+    launch(a, b, a_scale, out)
+    return out
+
+
+@int8_mm_grouped.register_fake
+def _(a, b, a_scale, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)

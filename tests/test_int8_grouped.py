@@ -1,0 +1,143 @@
+"""precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py) on the portable path: the
+quantize per 128 tokens, the GEMM that sums group by group, and what it buys in accuracy. The
+Triton kernel is checked against this path bit for bit in tests/int8_triton_interp.py (CPU)
+and tests/gpu/test_int8_kernels.py (CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtrain.lowp import int8 as i8
+from dtrain.lowp import int8_grouped as ig
+from tests.test_precision import CountOps, snr_db
+
+
+@pytest.fixture(autouse=True)
+def _portable(monkeypatch):
+    for env in (i8.KERNEL_ENV, i8.QUANTIZE_ENV, i8.GRAD_INPUT_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+
+def _reference_quantize(g: torch.Tensor, token_scale: torch.Tensor):
+    """One group of rows at a time, as the definition reads."""
+    v = g.float() * token_scale
+    codes, scales = [], []
+    for lo in range(0, g.shape[0], ig.GROUP):
+        part = v[lo : lo + ig.GROUP]
+        s = part.abs().amax(dim=0).clamp_min(1e-12) * i8.INV_QMAX
+        codes.append((part / s).round().clamp(-127, 127).to(torch.int8))
+        scales.append(s)
+    return torch.cat(codes).t(), torch.stack(scales, dim=1)
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (127, 7), (128, 33), (300, 5), (513, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_groups_is_one_scale_per_column_per_128_rows(m, n, dtype):
+    torch.manual_seed(m)
+    g = torch.randn(m, n).to(dtype)
+    g[0] *= 50  # a loud token: it sets the scales of its own group only
+    ts = torch.rand(m, 1) + 0.1
+    q, s = ig.quantize_groups(g, ts)
+    q_ref, s_ref = _reference_quantize(g, ts)
+    assert q.dtype == torch.int8 and q.shape == (n, m) and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (n, -(-m // ig.GROUP)) and s.is_contiguous()
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    # within half a step of its group's scale, and every group uses its full range
+    err = (q.float().t() * s.repeat_interleave(ig.GROUP, dim=1)[:, :m].t()) - g.float() * ts
+    assert (err.abs() <= s.repeat_interleave(ig.GROUP, dim=1)[:, :m].t() * 0.5 + 1e-6).all()
+    assert (q.abs().amax(dim=1) == 127).all()
+
+
+def test_grouped_int_mm_sums_each_group_exactly_then_scales_it():
+    torch.manual_seed(0)
+    n, m, k = 9, 300, 11  # three groups, the last one short
+    a = torch.randint(-127, 128, (n, m), dtype=torch.int8)
+    b = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    s = torch.rand(n, 3) + 0.01
+    with CountOps() as ops:
+        out = ig.grouped_int_mm(a, s, b, torch.float32)
+    assert ops.counts["_int_mm"] == 3  # one integer matmul per group
+    parts = [
+        a[:, j * 128 : (j + 1) * 128].long() @ b[j * 128 : (j + 1) * 128].long() for j in range(3)
+    ]
+    ref = torch.zeros(n, k)
+    for j, part in enumerate(parts):  # exact integer sums, then fp32: scaled, added in order
+        ref = ref + part.float() * s[:, j : j + 1]
+    assert torch.equal(out, ref)
+    exact = sum(part.double() * s[:, j : j + 1].double() for j, part in enumerate(parts))
+    size = sum(part.double().abs() * s[:, j : j + 1].double() for j, part in enumerate(parts))
+    assert ((out.double() - exact).abs() <= 3 * 2**-24 * size).all()
+    full = torch.full((2, 256), 127, dtype=torch.int8)  # full-scale values: no overflow
+    got = ig.grouped_int_mm(full, torch.ones(2, 2), full.t(), torch.float64)
+    assert torch.equal(got, torch.full((2, 2), 256 * 127.0**2, dtype=torch.float64))
+
+
+def _grad_weights(m: int, loud: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """grad_weight of one (m x 128) @ (128 x 192) linear in fp32 and in each int8 mode under
+    bf16 autocast; `loud` tokens, spread over the batch, get 30x larger output gradients."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 128, generator=g, requires_grad=True)
+    w = (0.02 * torch.randn(192, 128, generator=g)).requires_grad_()
+    gy = torch.randn(m, 192, generator=g)
+    gy[torch.randperm(m, generator=g)[:loud]] *= 30
+    out = {}
+
+    def run(name, fn):
+        x.grad = w.grad = None
+        fn(x, w).backward(gy)
+        out[name] = w.grad.clone()
+
+    run("fp32", F.linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for mode in i8.GRAD_WEIGHT_MODES:
+            run(mode, lambda x, w, mode=mode: i8.int8_linear(x, w, grad_weight=mode))
+    return out
+
+
+def test_grouped_grad_weight_is_more_accurate_than_one_scale_over_all_tokens():
+    """Over a long batch with a few loud tokens the per-channel scale flattens every other
+    token; per 128 tokens only the loud tokens' neighbours. SwitchBack's bf16 output gradient
+    (no rounding to 8 bits) stays the most accurate."""
+    r = _grad_weights(2048, loud=16)
+    snr = {mode: snr_db(r["fp32"], r[mode]) for mode in i8.GRAD_WEIGHT_MODES}
+    assert snr["int8_grouped"] > snr["int8"] + 6, snr
+    assert snr["int8_grouped"] < snr["bf16"], snr
+    quiet = _grad_weights(2048, loud=0)
+    assert snr_db(quiet["fp32"], quiet["int8_grouped"]) > snr_db(quiet["fp32"], quiet["int8"])
+    assert snr_db(quiet["fp32"], quiet["int8_grouped"]) > 38
+
+
+def test_grouped_changes_grad_weight_only_and_runs_it_in_int8():
+    torch.manual_seed(0)
+    x = torch.randn(2, 150, 64, requires_grad=True)  # 300 tokens: three groups
+    w = torch.randn(48, 64, requires_grad=True)
+    res = {}
+    for mode in ("int8", "int8_grouped"):
+        x.grad = w.grad = None
+        with CountOps() as ops:
+            y = i8.int8_linear(x, w, grad_weight=mode)
+            y.pow(2).sum().backward()
+        res[mode] = (y.detach(), x.grad.clone(), w.grad.clone(), ops.counts.get("_int_mm", 0))
+    assert torch.equal(res["int8"][0], res["int8_grouped"][0])  # forward
+    assert torch.equal(res["int8"][1], res["int8_grouped"][1])  # grad_input
+    assert not torch.equal(res["int8"][2], res["int8_grouped"][2])
+    assert res["int8"][3] == 3  # forward, grad_input, grad_weight
+    assert res["int8_grouped"][3] == 2 + 3  # grad_weight: one per group, no bf16 matmul
+    assert res["int8_grouped"][2].dtype == torch.float32
+
+
+def test_a_bad_grad_weight_mode_names_the_choices():
+    with pytest.raises(ValueError, match="grad_weight='int4'"):
+        i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), grad_weight="int4")
+
+
+def test_a_last_group_of_one_token_is_exact():
+    """129 tokens: the last group holds one, an outer product (torch._int_mm on CPU gets K = 1
+    wrong; int8.int_mm computes it itself)."""
+    torch.manual_seed(0)
+    a = torch.randint(-127, 128, (6, 129), dtype=torch.int8)
+    b = torch.randint(-127, 128, (5, 129), dtype=torch.int8).t()
+    out = ig.grouped_int_mm(a, torch.ones(6, 2), b, torch.float64)
+    assert torch.equal(out, (a.long() @ b.long()).double())
