@@ -173,25 +173,50 @@ def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(m
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkeypatch):
-    """The grouped grad-weight GEMM compiled for sm_90a as training launches it (both operands
-    K-major, fp32 out): its int8 dot is Hopper's wgmma (s32 += s8 x s8), every tile autotuning
-    may choose fits the register file with nothing spilled, and the per-group promotion is a
+    """The grouped grad-weight GEMMs (pointer loads, and persistent with TMA loads) compiled for
+    sm_90a as training launches them (both operands K-major, fp32 out): the int8 dot is Hopper's
+    wgmma (s32 += s8 x s8), every tile autotuning may choose fits the register file with
+    nothing spilled and the shared memory of an H100/H200, and the per-group promotion is a
     multiply and an add each rounded to nearest (no fused multiply-add, no flush to zero): the
     portable path's arithmetic, which the GPU tests compare bit for bit."""
     _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp import int8_grouped_triton as igt
 
-    types = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*fp32", "s_ptr": "*fp32"}
-    types.update(M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
-    types.update(stride_cm="i32", stride_sm="i32")
+    common = {"c_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
+    common.update(stride_cm="i32", stride_sm="i32")
+    strides = dict(stride_cn=1, stride_sg=1)
     for bm, bn, bk, warps, stages in [*igt._TILES, igt._SMALL]:
-        consts = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_sg=1, EVEN_K=True)
-        consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
-        kernel = igt._int8_mm_grouped_kernel
-        regs, local = _kernel_resources(kernel, types, consts, warps, stages)
-        assert local == 0 and regs * 32 * warps <= 65536, ((bm, bn, warps), regs)
-        ptx = _compile_sm90(kernel, types, consts, warps, stages).asm["ptx"]
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
-        assert "mma.sync" not in ptx
-        assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
-        assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)
+        tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+        pointer = {"a_ptr": "*i8", "b_ptr": "*i8", **common, "stride_am": "i32"}
+        builds = [
+            (
+                igt._int8_mm_grouped_kernel,
+                {**pointer, "stride_bn": "i32"},
+                dict(stride_ak=1, stride_bk=1, EVEN_K=True, **strides, **tile),
+                False,
+            )
+        ]
+        if (bm, bn, bk, warps, stages) in igt._TILES:  # the persistent TMA kernel's tiles
+            descs = {
+                "a_desc": f"tensordesc<i8[{bm}, {bk}]>",
+                "b_desc": f"tensordesc<i8[{bn}, {bk}]>",
+            }
+            builds.append(
+                (
+                    igt._int8_mm_grouped_tma_kernel,
+                    {**descs, **common},
+                    dict(NUM_SMS=132, **strides, **tile),
+                    True,
+                )
+            )
+        for kernel, types, consts, tma in builds:
+            regs, local = _kernel_resources(kernel, types, consts, warps, stages)
+            assert local == 0 and regs * 32 * warps <= 65536, (kernel, (bm, bn, warps), regs)
+            compiled = _compile_sm90(kernel, types, consts, warps, stages)
+            assert compiled.metadata.shared <= 232448, (kernel, compiled.metadata.shared)  # H100
+            ptx = compiled.asm["ptx"]
+            assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
+            assert "mma.sync" not in ptx
+            assert ("cp.async.bulk.tensor" in ptx) == tma, kernel
+            assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
+            assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)

@@ -29,12 +29,17 @@ from dtrain.lowp.int8_grouped import GROUP
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     TUNE_KWARGS,
+    _grouped_tile,
     _run,
+    _takes_tma,
+    _tma_pre_hook,
     chosen_configs,
     gemm_config,
     load_k_tiles,
+    persistent_grid,
     small_work_pruner,
     tile_pointers,
+    tma_operands,
 )
 
 # (BLOCK_M, BLOCK_N, BLOCK_K = GROUP, num_warps, num_stages): 32 KB of shared memory a stage at
@@ -77,6 +82,16 @@ else:
 
 
 @triton.jit
+def _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn):
+    """The tile's fp32 sums cast to the output's dtype, rows and columns inside (M, N) only."""
+    c_ptrs = (
+        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    )
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _int8_mm_grouped_kernel(
     a_ptr,
     b_ptr,
@@ -113,11 +128,7 @@ def _int8_mm_grouped_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    c_ptrs = (
-        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    )
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 _tuned = triton.autotune(
@@ -128,9 +139,70 @@ _tuned = triton.autotune(
 )(_int8_mm_grouped_kernel)
 
 
+# --- the same GEMM, persistent with TMA loads (Hopper) -------------------------------------------
+
+# As int8_triton's TMA GEMM: one program per SM walks the output tiles in grouped order, the
+# operand tiles come in through Hopper's tensor memory accelerator (zeros past the edges, so a
+# short last group needs no mask). Taken where int8_triton's is (`_takes_tma`: a large problem,
+# operands TMA can read, DTRAIN_INT8_GEMM=tma); the pointer kernel above everywhere else.
+_TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TILES]
+
+
+@triton.jit
+def _int8_mm_grouped_tma_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    stride_cn,
+    stride_sm,
+    stride_sg,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        s_ptrs = s_ptr + (offs_m % M).to(tl.int64) * stride_sm  # rows past M: one inside
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, j * BLOCK_K])  # (BM, BK)
+            b = b_desc.load([pid_n * BLOCK_N, j * BLOCK_K])  # (BN, BK): K-major
+            part = tl.dot(a, b.T, out_dtype=tl.int32)  # this group's exact sum
+            s = tl.load(s_ptrs + j * stride_sg)
+            acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
+        _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn)
+
+
+_tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **TUNE_KWARGS)(
+    _int8_mm_grouped_tma_kernel
+)
+
+
+def launch_tma(a, b, a_scale, out, config: tuple | None = None) -> None:
+    """The persistent TMA kernel into `out` (operands `_takes_tma`); `config` as `launch`."""
+    m, k = a.shape
+    n = b.shape[1]
+    a_desc, b_desc, sms = tma_operands(a, b, config)
+    args = (a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1))
+    args += (a_scale.stride(0), a_scale.stride(1))
+    grid = persistent_grid(m, n, sms)
+    _run(_int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {"NUM_SMS": sms}, config, a.device)
+
+
 def tuned_configs() -> dict:
-    """{"grouped": {(M, N, K, dtypes...): the config autotuning chose}} so far."""
-    return chosen_configs(grouped=_tuned)
+    """{"grouped" or "grouped_tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
+    return chosen_configs(grouped=_tuned, grouped_tma=_tma_tuned)
 
 
 def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
@@ -197,7 +269,10 @@ def int8_mm_grouped(a, b, a_scale, out_dtype):
         return out
     if a.shape[1] == 0:
         return out.zero_()
-    launch(a, b, a_scale, out)
+    if _takes_tma(a, b):
+        launch_tma(a, b, a_scale, out)
+    else:
+        launch(a, b, a_scale, out)
     return out
 
 

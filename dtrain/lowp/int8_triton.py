@@ -104,12 +104,14 @@ def gemm_variant() -> str:
 GEMM = gemm_variant()
 
 
-def gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    """A GEMM tile (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) as autotuning takes it."""
+def gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
+    """A GEMM tile (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) as autotuning takes it
+    (`pre_hook`: the TMA kernels', which sets the descriptors' boxes to the tile)."""
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
         num_warps=warps,
         num_stages=stages,
+        pre_hook=pre_hook,
     )
 
 
@@ -367,15 +369,7 @@ def _tma_pre_hook(nargs):
     nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-_TMA_CONFIGS = [
-    triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
-        num_warps=w,
-        num_stages=st,
-        pre_hook=_tma_pre_hook,
-    )
-    for bm, bn, bk, w, st in _TMA_TILES
-]
+_TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TMA_TILES]
 
 
 @triton.jit
@@ -481,8 +475,10 @@ def _takes_tma(a, b) -> bool:
     )
 
 
-def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
-    """The persistent TMA GEMM into `out` (operands `_tma_ok`); `config` as `_launch_int8_mm`."""
+def tma_operands(a, b, config: tuple | None = None):
+    """(a_desc, b_desc, SMs) for a persistent TMA GEMM of a (M, K) row-major and b (K, N)
+    column-major (`_tma_ok`): the descriptors' boxes are set per config by `_tma_pre_hook`
+    (autotuning calls it), or here for a fixed `config` (BLOCK_M, BLOCK_N, BLOCK_K, ...)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a.shape
@@ -495,6 +491,23 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
         tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), config[:3], strict=True))
         _tma_pre_hook({"a_desc": a_desc, "b_desc": b_desc, **tiles})
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    return a_desc, b_desc, sms
+
+
+def persistent_grid(m: int, n: int, sms: int):
+    """A persistent kernel's grid: one program per SM, or one per tile when there are fewer."""
+
+    def grid(meta):
+        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+    return grid
+
+
+def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
+    """The persistent TMA GEMM into `out` (operands `_tma_ok`); `config` as `_launch_int8_mm`."""
+    m, k = a.shape
+    n = b.shape[1]
+    a_desc, b_desc, sms = tma_operands(a, b, config)
     dummy = out
     args = (
         a_desc,
@@ -509,10 +522,7 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
         out.stride(1),
     )
     flags = {"HAS_A_SCALE": a_scale is not None, "HAS_B_SCALE": b_scale is not None, "NUM_SMS": sms}
-
-    def grid(meta):
-        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
-
+    grid = persistent_grid(m, n, sms)
     _run(_int8_mm_tma_kernel, _int8_mm_tma_tuned, grid, args, flags, config, a.device)
 
 

@@ -354,19 +354,26 @@ def test_grouped_gemm_is_the_portable_paths_bit_for_bit(n, m, k):
     ref = ig.grouped_int_mm(a, s, b, torch.float32)
     assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
     assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
+    if n * m * k >= 2**30 and torch.cuda.get_device_capability() >= (9, 0):
+        assert igt._takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
 
 
 def test_every_grouped_tile_autotuning_may_choose_is_exact():
+    """Each tile of the pointer kernel and of the TMA kernel (Hopper), edges in every
+    dimension and a short last group."""
     from dtrain.lowp import int8_grouped as ig
     from dtrain.lowp import int8_grouped_triton as igt
 
-    n, m, k = 1024 + 48, 2048 + 64, 512 + 40  # edges in every dimension, a short last group
+    n, m, k = 1024 + 48, 2048 + 64 + 16, 512 + 40
     a, b, s = _grouped_operands(n, m, k)
     ref = ig.grouped_int_mm(a, s, b, torch.float32)
-    for config in [*igt._TILES, igt._SMALL]:
+    launches = [(igt.launch, c) for c in [*igt._TILES, igt._SMALL]]
+    if torch.cuda.get_device_capability() >= (9, 0):
+        launches += [(igt.launch_tma, c) for c in igt._TILES]
+    for launch, config in launches:
         out = torch.empty(n, k, device="cuda")
-        igt.launch(a, b, s, out, config=config)
-        assert torch.equal(out, ref), config
+        launch(a, b, s, out, config=config)
+        assert torch.equal(out, ref), (launch.__name__, config)
 
 
 # --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------
