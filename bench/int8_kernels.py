@@ -440,11 +440,13 @@ def part_micro(args) -> dict:
             res["quantize"] = bench_quantize(models, device, with_triton)
             res["gate"] = bench_gate(models, device, with_triton)
     if with_triton:
+        from dtrain.lowp import int8_grouped_triton as igt
         from dtrain.lowp import int8_swiglu_triton as swt
         from dtrain.lowp import int8_triton as it
 
         res["autotuned"] = {
             **it.tuned_configs(),
+            **igt.tuned_configs(),
             **{f"gate {k}": v for k, v in swt.tuned_configs().items()},
         }
     return res

@@ -261,7 +261,7 @@ def test_int8_linear_triton_equals_torch(grad_weight):
     numbers bit for bit (fp32 outputs; int32 products are exact, the dequantization is the
     same fp32 operations)."""
     torch.manual_seed(0)
-    x = torch.randn(3, 11, 70, requires_grad=True)
+    x = torch.randn(3, 50, 70, requires_grad=True)  # 150 tokens: two groups for int8_grouped
     w = torch.randn(45, 70, requires_grad=True)
     b = torch.randn(45, requires_grad=True)
     results = {}
@@ -384,7 +384,7 @@ def _grouped_operands(n, m, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(-127, 128, (n, m), dtype=torch.int8, generator=g)
     b = torch.randint(-127, 128, (k, m), dtype=torch.int8, generator=g).t()  # column-major
-    s = torch.rand(n, -(-m // ig.GROUP), generator=g) + 0.01
+    s = torch.rand(-(-m // ig.GROUP), n, generator=g).t() + 0.01  # as quantize_groups lays out
     return a, b, s
 
 
@@ -398,10 +398,16 @@ def test_grouped_gemm_is_the_portable_path_bit_for_bit(n, m, k):
     assert _bf16_step_apart(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref)
 
 
-def test_grouped_gemm_full_scale_values_do_not_overflow():
-    full = torch.full((3, 384), 127, dtype=torch.int8)
-    got = igt.int8_mm_grouped(full, full.t(), torch.ones(3, 3), torch.float32)
-    assert torch.equal(got, torch.full((3, 3), 384 * 127.0**2))
+def test_grouped_gemm_does_not_overflow_where_one_int32_sum_would():
+    """Full-scale values over 133,376 tokens (a dot product of 2.15e9, past 2**31 - 1): the
+    kernel keeps no int32 sum across groups, and its bits are the portable path's."""
+    m = 1042 * ig.GROUP
+    full = torch.full((3, m), 127, dtype=torch.int8)
+    scales = torch.ones(3, 1042)
+    got = igt.int8_mm_grouped(full, full.t(), scales, torch.float32)
+    assert torch.equal(got, ig.grouped_int_mm(full, scales, full.t(), torch.float32))
+    exact = torch.full((3, 3), m * 127.0**2, dtype=torch.float64)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
 
 def test_grouped_gemm_rejects_what_it_cannot_compute():

@@ -42,7 +42,8 @@ def test_quantize_groups_is_one_scale_per_column_per_128_rows(m, n, dtype):
     q, s = ig.quantize_groups(g, ts)
     q_ref, s_ref = _reference_quantize(g, ts)
     assert q.dtype == torch.int8 and q.shape == (n, m) and q.is_contiguous()
-    assert s.dtype == torch.float32 and s.shape == (n, -(-m // ig.GROUP)) and s.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (n, -(-m // ig.GROUP))
+    assert s.t().is_contiguous()  # a group's scales contiguous: what a GEMM tile loads
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     # within half a step of its group's scale, and every group uses its full range
     err = (q.float().t() * s.repeat_interleave(ig.GROUP, dim=1)[:, :m].t()) - g.float() * ts
@@ -69,9 +70,17 @@ def test_grouped_int_mm_sums_each_group_exactly_then_scales_it():
     exact = sum(part.double() * s[:, j : j + 1].double() for j, part in enumerate(parts))
     size = sum(part.double().abs() * s[:, j : j + 1].double() for j, part in enumerate(parts))
     assert ((out.double() - exact).abs() <= 3 * 2**-24 * size).all()
-    full = torch.full((2, 256), 127, dtype=torch.int8)  # full-scale values: no overflow
-    got = ig.grouped_int_mm(full, torch.ones(2, 2), full.t(), torch.float64)
-    assert torch.equal(got, torch.full((2, 2), 256 * 127.0**2, dtype=torch.float64))
+
+
+def test_grouped_int_mm_does_not_overflow_where_one_int32_sum_would():
+    """Full-scale values over 133,376 tokens: 2.15e9 a dot product, past int32's 2**31 - 1;
+    each group's int32 sum is 128 * 127**2, summed across groups in fp32."""
+    m = 1042 * ig.GROUP
+    full = torch.full((2, m), 127, dtype=torch.int8)
+    got = ig.grouped_int_mm(full, torch.ones(2, 1042), full.t(), torch.float32)
+    exact = torch.full((2, 2), m * 127.0**2, dtype=torch.float64)
+    assert m * 127**2 > 2**31
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
 
 def _grad_weights(m: int, loud: int, seed: int = 0) -> dict[str, torch.Tensor]:

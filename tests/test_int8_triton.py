@@ -175,16 +175,16 @@ def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(m
 def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkeypatch):
     """The grouped grad-weight GEMMs (pointer loads, and persistent with TMA loads) compiled for
     sm_90a as training launches them (both operands K-major, fp32 out): the int8 dot is Hopper's
-    wgmma (s32 += s8 x s8), every tile autotuning may choose fits the register file with
-    nothing spilled and the shared memory of an H100/H200, and the per-group promotion is a
+    wgmma (s32 += s8 x s8), every tile autotuning may choose spills no registers to local
+    memory and fits the shared memory of an H100/H200, and the per-group promotion is a
     multiply and an add each rounded to nearest (no fused multiply-add, no flush to zero): the
     portable path's arithmetic, which the GPU tests compare bit for bit."""
     _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp import int8_grouped_triton as igt
 
     common = {"c_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
-    common.update(stride_cm="i32", stride_sm="i32")
-    strides = dict(stride_cn=1, stride_sg=1)
+    common.update(stride_cm="i32", stride_sg="i32")
+    strides = dict(stride_cn=1, stride_sm=1)  # the scales as quantize_groups lays them out
     for bm, bn, bk, warps, stages in [*igt._TILES, igt._SMALL]:
         tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
         pointer = {"a_ptr": "*i8", "b_ptr": "*i8", **common, "stride_am": "i32"}
@@ -211,7 +211,7 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkey
             )
         for kernel, types, consts, tma in builds:
             regs, local = _kernel_resources(kernel, types, consts, warps, stages)
-            assert local == 0 and regs * 32 * warps <= 65536, (kernel, (bm, bn, warps), regs)
+            assert local == 0, (kernel, (bm, bn, warps), regs)
             compiled = _compile_sm90(kernel, types, consts, warps, stages)
             assert compiled.metadata.shared <= 232448, (kernel, compiled.metadata.shared)  # H100
             ptx = compiled.asm["ptx"]

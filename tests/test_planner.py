@@ -750,3 +750,16 @@ def test_param_tensors_are_counted_from_the_config():
             with torch.device("meta"):
                 model = GPT(cfg)
             assert len(list(model.parameters())) == count_param_tensors(cfg)
+
+
+def test_int8_grad_weight_modes_in_int8_are_planned_on_int8_tensor_cores():
+    """precision.int8_grad_weight=int8 and int8_grouped run all three block matmuls in int8,
+    SwitchBack's bf16 (the default) two of them: the first two plan the same, faster step."""
+    machine = datasheet_machine(H100)
+    times = {}
+    for mode in ("bf16", "int8", "int8_grouped"):
+        cfg, setup = _setup(
+            "strategy=single", "precision=int8", f"precision.int8_grad_weight={mode}"
+        )
+        times[mode] = sp.compute_times(cfg.model, setup, machine)[0]
+    assert times["int8"] == times["int8_grouped"] < times["bf16"]

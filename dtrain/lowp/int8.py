@@ -27,7 +27,9 @@ models") grad_weight instead runs in the compute dtype from the same saved int8 
     dW = dy^T (xq * sx)        xq * sx dequantized to the compute dtype (bf16 under autocast)
 
 so nothing more is saved (memory is unchanged), dy is not quantized for it, and forward and
-grad_input stay int8: two int8 matmuls per linear instead of three.
+grad_input stay int8: two int8 matmuls per linear instead of three. `grad_weight="int8_grouped"`
+(dtrain/lowp/int8_grouped.py) keeps it in int8 with (dy * sx) scaled per output channel per
+128 tokens instead of over all of them.
 
 Operand layouts follow what int8 GEMMs want (cuBLASLt's "TN": first operand row-major, second
 column-major), so no int8 copy is needed except the transpose of xq for grad_weight. Every
@@ -85,6 +87,8 @@ MAX_REDUCTION = 131072
 # (SwitchBack: a matmul in the compute dtype from the dequantized int8 input) or "int8_grouped"
 # (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8_grouped.py).
 GRAD_WEIGHT_MODES = ("int8", "bf16", "int8_grouped")
+# The modes whose grad_weight matmul runs on int8 tensor cores (the speed planner counts it).
+INT8_GRAD_WEIGHT_MODES = frozenset({"int8", "int8_grouped"})
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
 # (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")

@@ -25,8 +25,10 @@ the "int8" mode.
 Two implementations, the same numbers (the same fp32 operations in the same order):
 dtrain/lowp/int8_grouped_triton.py (the Triton kernel: the promotion in its K loop, on Hopper)
 and `grouped_int_mm` here (one torch._int_mm per group: portable, slow on long reductions;
-CPU tests and GPUs without the Triton kernels). Under torch.compile the quantize below is traced,
-so Inductor fuses it (and the transposes) into few kernels; the Triton GEMM is a custom op.
+CPU tests and GPUs without the Triton kernels). The quantize below is torch ops whatever
+DTRAIN_INT8_QUANTIZE says: under torch.compile (training on GPUs) Inductor fuses it and the
+transposes into few kernels; run eagerly it makes full-size fp32 temporaries of dy (about
+370 MB each for 1b's w1 at 16,384 tokens). The Triton GEMM is a custom op.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ GROUP = 128
 
 def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
     """g (M, N), token_scale (M, 1) -> gq (N, M) int8 row-major, scales (N, ceil(M / GROUP))
-    fp32: g * token_scale quantized per column per GROUP rows, transposed (tokens contiguous).
+    fp32 (a transposed view): g * token_scale quantized per column per GROUP rows, transposed
+    (tokens contiguous).
     The arithmetic is int8.quantize_rowwise's: abs-max * fp32(1/127), an IEEE division, round
     half to even, clamp to [-127, 127]."""
     m, n = g.shape
@@ -52,7 +55,9 @@ def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
     scale = v.abs().amax(dim=1).clamp_min(1e-12) * INV_QMAX  # (groups, N)
     q = (v / scale[:, None, :]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     q = q.view(groups * GROUP, n)[:m]
-    return q.t().contiguous(), scale.t().contiguous()
+    # The scales as a transposed view, (N, groups) with strides (1, N): the GEMM loads one
+    # group's scales for a tile of rows each K step, contiguous in memory this way.
+    return q.t().contiguous(), scale.t()
 
 
 def grouped_int_mm(

@@ -29,6 +29,7 @@ from dtrain.lowp.int8_grouped import GROUP
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     TUNE_KWARGS,
+    _dequantize_store,
     _grouped_tile,
     _run,
     _takes_tma,
@@ -38,9 +39,13 @@ from dtrain.lowp.int8_triton import (
     load_k_tiles,
     persistent_grid,
     small_work_pruner,
+    tile_grid,
     tile_pointers,
     tma_operands,
 )
+
+# The kernels index the scales by K step: each step must be one group.
+_GROUP_K = tl.constexpr(GROUP)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K = GROUP, num_warps, num_stages): 32 KB of shared memory a stage at
 # 128 x 128. Not yet timed on a GPU: autotuning chooses among them per shape.
@@ -82,16 +87,6 @@ else:
 
 
 @triton.jit
-def _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn):
-    """The tile's fp32 sums cast to the output's dtype, rows and columns inside (M, N) only."""
-    c_ptrs = (
-        c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    )
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _int8_mm_grouped_kernel(
     a_ptr,
     b_ptr,
@@ -114,6 +109,7 @@ def _int8_mm_grouped_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_K == _GROUP_K)
     offs_m, offs_n, rows, offs_k, a_ptrs, b_ptrs = tile_pointers(
         a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -128,7 +124,9 @@ def _int8_mm_grouped_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn)
+    _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
+        acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
+    )
 
 
 _tuned = triton.autotune(
@@ -167,6 +165,7 @@ def _int8_mm_grouped_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_K == _GROUP_K)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
@@ -181,7 +180,9 @@ def _int8_mm_grouped_tma_kernel(
             part = tl.dot(a, b.T, out_dtype=tl.int32)  # this group's exact sum
             s = tl.load(s_ptrs + j * stride_sg)
             acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
-        _store(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn)
+        _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
+            acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
+        )
 
 
 _tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **TUNE_KWARGS)(
@@ -198,11 +199,6 @@ def launch_tma(a, b, a_scale, out, config: tuple | None = None) -> None:
     args += (a_scale.stride(0), a_scale.stride(1))
     grid = persistent_grid(m, n, sms)
     _run(_int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {"NUM_SMS": sms}, config, a.device)
-
-
-def tuned_configs() -> dict:
-    """{"grouped" or "grouped_tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
-    return chosen_configs(grouped=_tuned, grouped_tma=_tma_tuned)
 
 
 def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
@@ -229,11 +225,13 @@ def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
     )
     if INTERPRET:
         config = _INTERPRET_CONFIG
+    flags = {"EVEN_K": k % GROUP == 0}
+    _run(_int8_mm_grouped_kernel, _tuned, tile_grid(m, n), args, flags, config, a.device)
 
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _run(_int8_mm_grouped_kernel, _tuned, grid, args, {"EVEN_K": k % GROUP == 0}, config, a.device)
+def tuned_configs() -> dict:
+    """{"grouped" or "grouped_tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
+    return chosen_configs(grouped=_tuned, grouped_tma=_tma_tuned)
 
 
 def _check(a, b, a_scale, out_dtype) -> None:

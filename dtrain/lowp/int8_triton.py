@@ -318,11 +318,16 @@ def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) ->
     }
     if INTERPRET:
         config = _INTERPRET_CONFIG
+    _run(_int8_mm_kernel, _int8_mm_tuned, tile_grid(m, n), args, flags, config, a.device)
+
+
+def tile_grid(m: int, n: int):
+    """A GEMM's grid of one program per (BLOCK_M, BLOCK_N) output tile."""
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _run(_int8_mm_kernel, _int8_mm_tuned, grid, args, flags, config, a.device)
+    return grid
 
 
 def _run(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None:

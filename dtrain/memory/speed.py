@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from dtrain.hardware import fp8_gemm_dims_ok, matmul_kind
+from dtrain.lowp.int8 import INT8_GRAD_WEIGHT_MODES
 from dtrain.memory.machine import Machine
 from dtrain.memory.setup import MemorySetup, strategy_facts
 from dtrain.memory.state import state_bytes_per_element
@@ -100,7 +101,8 @@ QUANT_SPEED = {
     # and grad-input GEMMs (weighted by how often a block runs each) 1.588x bf16 torch.mm, so
     # 0.79 of the bf16 share of the int8 peak (twice bf16's); 8b's 1.722x, 0.86
     # (bench/results/2026-12-01-gpu-s25/call2_gemms_tma; the pointer kernel before it: 1b
-    # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight=int8.
+    # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight says int8
+    # (int8 or int8_grouped; the grouped GEMM's own efficiency is not measured yet).
     "int8": QuantSpeed("int8", efficiency=0.79, cast_passes=3.0, share=2 / 3),
     # torchao's module swap (the reference): 0.34x bf16 under fsdp (docs/benchmarks.md).
     "int8-torchao": QuantSpeed("int8", efficiency=0.2, cast_passes=6.0),
@@ -204,7 +206,7 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     if q is None or not machine.peak_flops.get(q.kind):
         t_lin = lin / rate
     else:
-        share = 1.0 if getattr(pr, "int8_grad_weight", "") == "int8" else q.share
+        share = 1.0 if getattr(pr, "int8_grad_weight", "") in INT8_GRAD_WEIGHT_MODES else q.share
         narrow = _compute_rate(setup, machine, q.kind) * MATMUL_EFFICIENCY * q.efficiency
         passes = q.cast_passes - DELAYED_SAVED_PASSES * (
             getattr(pr, "fp8_scaling", "dynamic") == "delayed"
