@@ -290,16 +290,21 @@ def bench_linears(models, device, with_triton: bool) -> list[dict]:
 
 # The quantize's timings: eager, torch.compile'd, the Triton op (autotuned), its two ways.
 QUANTIZE_WAYS = ("eager", "compiled", "triton", "triton_one_pass", "triton_two_sweeps")
+# int8_grouped's quantize of an output gradient (bf16 activations' shapes): per column per 128
+# rows, codes written transposed; Inductor's fusion of the torch ops, and the Triton op.
+GROUPED_QUANTIZE_WAYS = ("grouped_compiled", "grouped_triton")
 
 
 def bench_quantize(models, device, with_triton: bool) -> list[dict]:
     import torch
 
     from dtrain.lowp import int8 as i8
+    from dtrain.lowp import int8_grouped as ig
 
     torch._dynamo.config.cache_size_limit = 64  # a compile per shape and layout
     ms = _timer(device)
     compiled = torch.compile(i8.quantize_rowwise, dynamic=False)
+    grouped = torch.compile(ig.quantize_groups, dynamic=False)
     cases = []
     for model, spec in models.items():
         t = spec["tokens"]
@@ -332,8 +337,16 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
                 res["triton_one_pass_ms"] = _try(_first_then_time, ms, one)
             two = partial(it.quantize_rows, x, None, one_pass=False)
             res["triton_two_sweeps_ms"] = _try(_first_then_time, ms, two)
+        if dtype == torch.bfloat16 and not transposed:  # an output gradient's shape
+            ts = torch.rand(r, 1, device=device) + 0.01
+            res["grouped_compiled_ms"] = _try(_first_then_time, ms, partial(grouped, x, ts))
+            if with_triton:
+                from dtrain.lowp import int8_grouped_triton as igt
+
+                tri = partial(igt.quantize_groups, x, ts)
+                res["grouped_triton_ms"] = _try(_first_then_time, ms, tri)
         nbytes = r * c * (x.element_size() + 1) + r * 4  # read x, write q and the scales
-        for v in QUANTIZE_WAYS:
+        for v in QUANTIZE_WAYS + GROUPED_QUANTIZE_WAYS:
             if isinstance(res.get(f"{v}_ms"), float):
                 res[f"{v}_gb_per_s"] = nbytes / res[f"{v}_ms"] / 1e6
         out.append(res)
@@ -604,15 +617,14 @@ def render(res: dict) -> str:
             "`autotuned`), and each way's fixed tile.",
             "",
             "| model | tensor | R x C | eager | torch.compile | triton | triton, one pass "
-            "| triton, two sweeps |",
-            "|---|---|---|---|---|---|---|---|",
+            "| triton, two sweeps | per 128 rows (int8_grouped), compiled | the same, triton |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for q in quant:
+            ways = QUANTIZE_WAYS + GROUPED_QUANTIZE_WAYS
             lines.append(
                 f"| {q['model']} | {q['tensor']} | {q['shape'][0]} x {q['shape'][1]} "
-                + "".join(
-                    f"| {_cell(q.get(f'{v}_ms'), q.get(f'{v}_gb_per_s'))} " for v in QUANTIZE_WAYS
-                )
+                + "".join(f"| {_cell(q.get(f'{v}_ms'), q.get(f'{v}_gb_per_s'))} " for v in ways)
                 + "|"
             )
         lines.append("")

@@ -276,8 +276,9 @@ def test_int8_linear_triton_equals_torch(grad_weight):
             assert ops.names.count("int8_mm") == n_mm and "_int_mm" not in ops.names
             # x and w forward, dy and w^T for grad_input, (dy s_x)^T for int8 grad_weight
             assert ops.names.count("int8_quantize_rowwise") == n_mm + 2
-            # the grouped grad_weight: its own GEMM (its quantize is torch ops)
+            # the grouped grad_weight: its own GEMM and quantize
             assert ops.names.count("int8_mm_grouped") == (grad_weight == "int8_grouped")
+            assert ops.names.count("int8_quantize_groups") == (grad_weight == "int8_grouped")
     for name, r, t in zip(("y", "dx", "dw", "db"), results["torch"], results["triton"]):
         assert torch.equal(r, t), name
 
@@ -410,6 +411,24 @@ def test_grouped_gemm_does_not_overflow_where_one_int32_sum_would():
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("m,n", [(1, 1), (127, 7), (128, 33), (300, 5), (513, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n, dtype):
+    g = torch.Generator().manual_seed(m)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    dy[0] *= 50  # a loud token
+    ts = torch.rand(m, 1, generator=g) + 0.1
+    q_ref, s_ref = ig.quantize_groups(dy, ts)
+    for block_n in (None, 32):
+        q, s = igt.quantize_groups(dy, ts, block_n=block_n)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), block_n
+        assert q.stride() == q_ref.stride() and s.stride() == (1, n)
+    q, s = igt.quantize_groups(dy.t().contiguous().t(), ts)  # column-major dy: any strides
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    with pytest.raises(ValueError, match="token scales"):
+        igt.quantize_groups(dy, ts[1:])
+
+
 def test_grouped_gemm_rejects_what_it_cannot_compute():
     a, b, s = _grouped_operands(4, 200, 6)
     with pytest.raises(ValueError, match="2-d int8 operands"):
@@ -424,13 +443,18 @@ def test_grouped_gemm_rejects_what_it_cannot_compute():
     assert torch.equal(empty, torch.zeros(4, 6))
 
 
-def test_grouped_grad_weight_compiles_in_one_graph_with_its_gemm():
+@pytest.mark.parametrize("quantize", ["gradients", "fused"])
+def test_grouped_grad_weight_compiles_in_one_graph_with_its_ops(quantize, monkeypatch):
     """fullgraph=True with grad_weight="int8_grouped": its GEMM is one custom op in the backward
-    graph (per layer), its quantize is left to the compiler, and the compiled step's gradients
-    are the eager Triton path's."""
+    graph (per layer), its quantize the Triton op where dy's quantizes are kept apart (the
+    default) or left to the compiler (fused), and the compiled step's gradients are the eager
+    Triton path's."""
+    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
     model, loss_fn, x, (fw, bw) = _compiled_mlp("int8_grouped", tokens=64)  # 256: two groups
-    assert "int8_mm_grouped" not in fw
+    assert "int8_mm_grouped" not in fw and "int8_quantize_groups" not in fw
     assert bw.count("torch.ops.dtrain.int8_mm_grouped") == 2, bw
+    n_q = 2 if quantize == "gradients" else 0
+    assert bw.count("torch.ops.dtrain.int8_quantize_groups") == n_q, bw
     assert bw.count("torch.ops.dtrain.int8_mm.") == 2, bw  # grad_input only
     assert "_int_mm" not in fw + bw
     grads = [p.grad.clone() for p in model.parameters()]

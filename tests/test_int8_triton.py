@@ -220,3 +220,10 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkey
             assert ("cp.async.bulk.tensor" in ptx) == tma, kernel
             assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
             assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)
+    # its quantize: a (128, BLOCK_N) tile of bf16 output gradients in registers, none spilled
+    types = {"g_ptr": "*bf16", "ts_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32"}
+    types.update(M="i32", N="i32", stride_gm="i32", stride_qn="i32", stride_sg="i32")
+    for block_n, warps in igt._QUANTIZE_TILES:
+        consts = dict(stride_gn=1, stride_sn=1, GROUP_SIZE=igt.GROUP, BLOCK_N=block_n)
+        regs, local = _kernel_resources(igt._quantize_groups_kernel, types, consts, warps)
+        assert local == 0, (block_n, warps, regs)

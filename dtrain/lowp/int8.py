@@ -323,7 +323,7 @@ def mm_grad_weight(
     if mode == "int8_grouped":
         from dtrain.lowp.int8_grouped import grad_weight_grouped
 
-        return grad_weight_grouped(g, xq, xs, weight_dtype, kernel)
+        return grad_weight_grouped(g, xq, xs, weight_dtype, kernel, apart_g)
     if mode == "int8":
         # Fold the per-token input scales into dy (see the module docstring), then quantize
         # per output channel over the tokens: (N, M) int8, (N, 1).

@@ -23,12 +23,13 @@ operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once per 
 the "int8" mode.
 
 Two implementations, the same numbers (the same fp32 operations in the same order):
-dtrain/lowp/int8_grouped_triton.py (the Triton kernel: the promotion in its K loop, on Hopper)
-and `grouped_int_mm` here (one torch._int_mm per group: portable, slow on long reductions;
-CPU tests and GPUs without the Triton kernels). The quantize below is torch ops whatever
-DTRAIN_INT8_QUANTIZE says: under torch.compile (training on GPUs) Inductor fuses it and the
-transposes into few kernels; run eagerly it makes full-size fp32 temporaries of dy (about
-370 MB each for 1b's w1 at 16,384 tokens). The Triton GEMM is a custom op.
+dtrain/lowp/int8_grouped_triton.py (Triton kernels: the GEMM with the promotion in its K loop,
+on Hopper, and the quantize in one pass) and the torch ops here (`quantize_groups`, and
+`grouped_int_mm`: one torch._int_mm per group, portable, slow on long reductions; CPU tests and
+GPUs without the Triton kernels). Under torch.compile the quantize is the Triton op where
+DTRAIN_INT8_QUANTIZE keeps the output gradients' apart (its default), else the torch ops,
+which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries of dy (about
+370 MB each for 1b's w1 at 16,384 tokens).
 """
 
 from __future__ import annotations
@@ -73,13 +74,21 @@ def grouped_int_mm(
     return out.to(out_dtype)
 
 
-def grad_weight_grouped(g, xq, xs, weight_dtype: torch.dtype, kernel: str) -> torch.Tensor:
+def grad_weight_grouped(
+    g, xq, xs, weight_dtype: torch.dtype, kernel: str, apart: bool
+) -> torch.Tensor:
     """dW (N, K) in weight_dtype from the output gradient g (M, N) and the saved int8 input
-    xq (M, K) with its per-token scales xs (M, 1), on the chosen kernels."""
-    gq, gs = quantize_groups(g, xs)  # (N, M), (N, groups)
+    xq (M, K) with its per-token scales xs (M, 1), on the chosen kernels. On the Triton kernels
+    the quantize is their op eagerly, and under torch.compile when `apart` (DTRAIN_INT8_QUANTIZE
+    keeps the output gradients' quantizes apart: its default); else Inductor fuses the torch
+    ops above, as int8._quantize does for the others."""
     xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major: K-major for the GEMM
-    if kernel == "triton" and _triton_applies(gq):
-        from dtrain.lowp import int8_grouped_triton  # registers dtrain::int8_mm_grouped
+    if not (kernel == "triton" and _triton_applies(g)):
+        return grouped_int_mm(*quantize_groups(g, xs), xq_colmajor, weight_dtype)
+    from dtrain.lowp import int8_grouped_triton as igt  # registers the dtrain:: ops
 
-        return int8_grouped_triton.int8_mm_grouped(gq, xq_colmajor, gs, weight_dtype)
-    return grouped_int_mm(gq, gs, xq_colmajor, weight_dtype)
+    if apart or not torch.compiler.is_compiling():
+        gq, gs = igt.quantize_groups_op(g, xs)  # (N, M), (N, groups)
+    else:
+        gq, gs = quantize_groups(g, xs)
+    return igt.int8_mm_grouped(gq, xq_colmajor, gs, weight_dtype)

@@ -1,4 +1,5 @@
-"""The Triton GEMM of precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py).
+"""The Triton kernels of precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py): its
+GEMM, and the quantize of its output gradient.
 
     int8_mm_grouped(a, b, a_scale, out_dtype)
         a (N, M) int8 with its rows' elements contiguous, b (M, K) int8 column-major (both
@@ -11,6 +12,11 @@
         result. The multiply and the add are rounded apart (no fused multiply-add), as the
         portable `grouped_int_mm` computes them: the result is its bits.
 
+    quantize_groups(g, token_scale) (the op dtrain::int8_quantize_groups)
+        int8_grouped.quantize_groups in one pass, the same bits: g (M, N) times the per-token
+        scales, quantized per column per 128 rows, the codes stored transposed (N, M) and the
+        scales (N, groups) with a group's contiguous.
+
 Tiles: BLOCK_K is the group (128). The two accumulators (int32 per group, fp32 across them)
 take BLOCK_M * BLOCK_N / (16 * num_warps) registers a thread, so the tiles are at most 128 x 128
 at 8 warps (int8_triton's 128 x 256 would need 256). Loads go through pointers, rows past an
@@ -20,6 +26,8 @@ interpreter, one small configuration (CPU tests: tests/int8_triton_interp.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -38,6 +46,8 @@ from dtrain.lowp.int8_triton import (
     gemm_config,
     load_k_tiles,
     persistent_grid,
+    quantize_values,
+    row_scales,
     small_work_pruner,
     tile_grid,
     tile_pointers,
@@ -232,6 +242,107 @@ def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
 def tuned_configs() -> dict:
     """{"grouped" or "grouped_tma": {(M, N, K, dtypes...): the config autotuning chose}}."""
     return chosen_configs(grouped=_tuned, grouped_tma=_tma_tuned)
+
+
+# --- the quantize of dy per output channel per 128 tokens ---------------------------------------
+
+# Each program takes one group of tokens and BLOCK_N output channels: the (GROUP, BLOCK_N) tile
+# of g * token_scale is loaded once, reduced over its tokens for each channel's scale, and its
+# codes stored transposed, (N, M) with the tokens contiguous, as the GEMM reads them. Inductor's
+# fusion of the torch ops instead writes the codes (M, N) and transposes them in a second
+# kernel. Registers a thread for sm_90a with bf16 g (ptxas, none spilled, tests/
+# test_int8_triton.py): see _QUANTIZE_TILES' test.
+_QUANTIZE_TILES = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (BLOCK_N, num_warps)
+_QUANTIZE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in _QUANTIZE_TILES]
+_INTERPRET_BLOCK_N = 16
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    g_ptr,
+    ts_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    N,
+    stride_gm,
+    stride_gn,
+    stride_qn,
+    stride_sn,
+    stride_sg,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    ok = m_ok[:, None] & n_ok[None, :]
+    g = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=ok, other=0.0)
+    ts = tl.load(ts_ptr + rows, mask=m_ok, other=0.0)
+    # (BLOCK_N, GROUP): a channel's tokens along a row, so the scale is the row quantize's
+    vt = tl.trans(g.to(tl.float32) * ts[:, None])
+    scale = row_scales(tl.max(tl.abs(vt), axis=1))  # masked tokens: 0, no effect
+    q = quantize_values(vt, scale)
+    tl.store(
+        q_ptr + cols[:, None] * stride_qn + rows[None, :], q, mask=n_ok[:, None] & m_ok[None, :]
+    )
+    tl.store(s_ptr + cols * stride_sn + tl.program_id(0) * stride_sg, scale, mask=n_ok)
+
+
+_quantize_tuned = triton.autotune(configs=_QUANTIZE_CONFIGS, key=["M", "N"], **TUNE_KWARGS)(
+    _quantize_groups_kernel
+)
+
+
+def quantize_groups(g, token_scale, block_n: int | None = None):
+    """int8_grouped.quantize_groups' computation in one kernel, the same bits: gq (N, M) int8
+    row-major and the scales (N, groups) fp32, strides (1, N). Autotuned on a GPU;
+    `block_n` fixes the tile (tests; the interpreter uses a small one)."""
+    if g.dim() != 2 or not g.dtype.is_floating_point:
+        raise ValueError(
+            f"quantize_groups takes a 2-d float tensor, got {g.dtype} {tuple(g.shape)}"
+        )
+    m, n = g.shape
+    ts = token_scale.reshape(-1).float().contiguous()
+    if ts.numel() != m:
+        raise ValueError(f"quantize_groups: {ts.numel()} token scales for {m} tokens")
+    groups = -(-m // GROUP)
+    q = torch.empty((n, m), dtype=torch.int8, device=g.device)
+    # (N, groups) with a group's scales contiguous: what the GEMM loads each K step
+    scale = torch.empty_strided((n, groups), (1, n), dtype=torch.float32, device=g.device)
+    if m == 0 or n == 0:
+        return q, scale
+    args = (g, ts, q, scale, m, n, g.stride(0), g.stride(1), q.stride(0), *scale.stride())
+    if INTERPRET and block_n is None:
+        block_n = _INTERPRET_BLOCK_N
+    with torch.cuda.device(g.device) if g.is_cuda else contextlib.nullcontext():
+        if block_n is None:
+            grid = lambda meta: (groups, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+            _quantize_tuned[grid](*args, GROUP_SIZE=GROUP)
+        else:
+            warps = dict(_QUANTIZE_TILES).get(block_n, 4)
+            grid = (groups, triton.cdiv(n, block_n))
+            _quantize_groups_kernel[grid](*args, GROUP_SIZE=GROUP, BLOCK_N=block_n, num_warps=warps)
+    return q, scale
+
+
+@torch.library.custom_op(
+    "dtrain::int8_quantize_groups",
+    mutates_args=(),
+    schema="(Tensor g, Tensor token_scale) -> (Tensor, Tensor)",
+)
+def quantize_groups_op(g, token_scale):
+    return quantize_groups(g, token_scale)
+
+
+@quantize_groups_op.register_fake
+def _(g, token_scale):
+    m, n = g.shape
+    groups = -(-m // GROUP)
+    return g.new_empty((n, m), dtype=torch.int8), g.new_empty_strided(
+        (n, groups), (1, n), dtype=torch.float32
+    )
 
 
 def _check(a, b, a_scale, out_dtype) -> None:

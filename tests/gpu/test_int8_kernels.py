@@ -376,6 +376,23 @@ def test_every_grouped_tile_autotuning_may_choose_is_exact():
         assert torch.equal(out, ref), (launch.__name__, config)
 
 
+@pytest.mark.parametrize("m,n", [(16384, 5632), (16384, 2048), (8192, 14336), (300, 1000)])
+def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n):
+    """Autotuned and in every tile, on bf16 output gradients with a loud token, against the
+    eager torch ops (their IEEE division: the kernel divides with div_rn)."""
+    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp import int8_grouped_triton as igt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    dy[3] *= 40
+    ts = torch.rand(m, 1, device="cuda", generator=g) + 0.01
+    q_ref, s_ref = ig.quantize_groups(dy, ts)
+    for block_n in (None, *dict(igt._QUANTIZE_TILES)):
+        q, s = igt.quantize_groups(dy, ts, block_n=block_n)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), block_n
+
+
 # --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------
 
 
