@@ -227,7 +227,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                     # a scale per row per 128 tokens of the reduction, fp32 out (the weight's)
                     from dtrain.lowp import int8_grouped_triton as igt
 
-                    sg = torch.rand(m, -(-k // igt.GROUP), device=device) + 0.01
+                    sg = torch.rand(m, igt.group_count(k), device=device) + 0.01
                     grouped = partial(igt.int8_mm_grouped, a, b, sg, torch.float32)
                     res["grouped_ms"] = _try(_first_then_time, ms, grouped)
                 # cuBLAS with 8-bit operands, row-wise scales, bf16 out: what fp8 gets

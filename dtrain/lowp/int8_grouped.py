@@ -43,6 +43,11 @@ from dtrain.lowp.int8 import INV_QMAX, QMAX, _triton_applies, int_mm
 GROUP = 128
 
 
+def group_count(tokens: int) -> int:
+    """Groups of GROUP tokens (the last one may be short): one scale per channel each."""
+    return -(-tokens // GROUP)
+
+
 def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
     """g (M, N), token_scale (M, 1) -> gq (N, M) int8 row-major, scales (N, ceil(M / GROUP))
     fp32 (a transposed view): g * token_scale quantized per column per GROUP rows, transposed
@@ -51,7 +56,7 @@ def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
     half to even, clamp to [-127, 127]."""
     m, n = g.shape
     v = g.float() * token_scale.reshape(-1, 1)
-    groups = -(-m // GROUP)
+    groups = group_count(m)
     v = F.pad(v, (0, 0, 0, groups * GROUP - m)).view(groups, GROUP, n)  # zeros: codes of 0
     scale = v.abs().amax(dim=1).clamp_min(1e-12) * INV_QMAX  # (groups, N)
     q = (v / scale[:, None, :]).round_().clamp_(-QMAX, QMAX).to(torch.int8)

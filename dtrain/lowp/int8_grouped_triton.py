@@ -19,10 +19,12 @@ GEMM, and the quantize of its output gradient.
 
 Tiles: BLOCK_K is the group (128). The two accumulators (int32 per group, fp32 across them)
 take BLOCK_M * BLOCK_N / (16 * num_warps) registers a thread, so the tiles are at most 128 x 128
-at 8 warps (int8_triton's 128 x 256 would need 256). Loads go through pointers, rows past an
-edge wrap around inside the tensor (their results are not stored) and the last group is masked
-with zeros, which add nothing. With TRITON_INTERPRET=1 it runs on CPU tensors in Triton's
-interpreter, one small configuration (CPU tests: tests/int8_triton_interp.py).
+at 8 warps (int8_triton's 128 x 256 would need 256). Two GEMM kernels, as int8_triton has: one
+loads through pointers (rows past an edge wrap around inside the tensor, their results not
+stored; the last group masked with zeros, which add nothing), the other is persistent with TMA
+loads (zeros past the edges), taken where int8_triton's TMA GEMM is. With TRITON_INTERPRET=1
+the pointer kernel and the quantize run on CPU tensors in Triton's interpreter, one small
+configuration (CPU tests: tests/int8_triton_interp.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.int8_grouped import GROUP
+from dtrain.lowp.int8_grouped import GROUP, group_count
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     TUNE_KWARGS,
@@ -307,7 +309,7 @@ def quantize_groups(g, token_scale, block_n: int | None = None):
     ts = token_scale.reshape(-1).float().contiguous()
     if ts.numel() != m:
         raise ValueError(f"quantize_groups: {ts.numel()} token scales for {m} tokens")
-    groups = -(-m // GROUP)
+    groups = group_count(m)
     q = torch.empty((n, m), dtype=torch.int8, device=g.device)
     # (N, groups) with a group's scales contiguous: what the GEMM loads each K step
     scale = torch.empty_strided((n, groups), (1, n), dtype=torch.float32, device=g.device)
@@ -339,7 +341,7 @@ def quantize_groups_op(g, token_scale):
 @quantize_groups_op.register_fake
 def _(g, token_scale):
     m, n = g.shape
-    groups = -(-m // GROUP)
+    groups = group_count(m)
     return g.new_empty((n, m), dtype=torch.int8), g.new_empty_strided(
         (n, groups), (1, n), dtype=torch.float32
     )
@@ -355,7 +357,7 @@ def _check(a, b, a_scale, out_dtype) -> None:
         raise ValueError(
             f"int8_mm_grouped: shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain"
         )
-    groups = -(-a.shape[1] // GROUP)
+    groups = group_count(a.shape[1])
     if a_scale.dtype != torch.float32 or tuple(a_scale.shape) != (a.shape[0], groups):
         raise ValueError(
             f"int8_mm_grouped: a_scale must be fp32 of shape {(a.shape[0], groups)}, got "
