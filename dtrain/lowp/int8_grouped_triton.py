@@ -113,15 +113,6 @@ else:
 
 
 @triton.jit
-def _next_scales(s_ptrs, j, k_tiles, stride_sg):
-    """The rows' scales of group j + 1 (the last group's again at the end: no mask), loaded a
-    step ahead: Triton's pipeliner prefetches only a dot's operands, and a plain load of a
-    group's scales where they are used waited on memory after every wgmma (the kernel ran at
-    bf16's speed)."""
-    return tl.load(s_ptrs + tl.minimum(j + 1, k_tiles - 1) * stride_sg)
-
-
-@triton.jit
 def _int8_mm_grouped_kernel(
     a_ptr,
     b_ptr,
@@ -151,14 +142,11 @@ def _int8_mm_grouped_kernel(
     )  # fmt: skip
     s_ptrs = s_ptr + rows * stride_sm  # (BM,): the rows' scales of the group
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    s = tl.load(s_ptrs)
-    for j in range(0, k_tiles):
+    for j in range(0, tl.cdiv(K, BLOCK_K)):
         a, b = load_k_tiles(a_ptrs, b_ptrs, offs_k, K - j * BLOCK_K, EVEN_K)
-        s_next = _next_scales(s_ptrs, j, k_tiles, stride_sg)
         part = tl.dot(a, b, out_dtype=tl.int32)  # this group's exact sum
+        s = tl.load(s_ptrs + j * stride_sg)
         acc = _promote_add(acc, part, s[:, None])
-        s = s_next
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -219,14 +207,12 @@ def _int8_mm_grouped_tma_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         s_ptrs = s_ptr + (offs_m % M).to(tl.int64) * stride_sm  # rows past M: one inside
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s = tl.load(s_ptrs)
         for j in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, j * BLOCK_K])  # (BM, BK)
             b = b_desc.load([pid_n * BLOCK_N, j * BLOCK_K])  # (BN, BK): K-major
-            s_next = _next_scales(s_ptrs, j, k_tiles, stride_sg)
             part = tl.dot(a, b.T, out_dtype=tl.int32)  # this group's exact sum
+            s = tl.load(s_ptrs + j * stride_sg)
             acc = _promote_add(acc, part, s[:, None])
-            s = s_next
         _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
             acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
         )
