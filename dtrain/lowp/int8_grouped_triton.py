@@ -78,37 +78,23 @@ _SMALL_CONFIG = gemm_config(*_SMALL)
 if INTERPRET:
 
     @triton.jit
-    def _promote_add(acc, part, s):
-        return acc + part.to(tl.float32) * s  # numpy: each operation rounded, no fused multiply-add
+    def _scaled_add(acc, part, s):
+        return acc + part * s  # numpy: each operation rounded, no fused multiply-add
 
 else:
 
     @triton.jit
-    def _promote_add(acc, part, s):
-        # acc + float32(part) * s, each operation rounded as eager's `out + part.float() * s`:
-        # the compiler would contract a plain multiply and add into one fused multiply-add (one
-        # rounding, other bits), and libdevice's mul_rn/add_rn compile to flush-to-zero forms
-        # (.ftz), which eager's CUDA kernels are not; PTX's explicit .rn forms are neither.
-        # The int32 -> fp32 conversion is the exact magic-number one, not cvt.rn.f32.s32:
-        # |part| <= 128 * 128 * 128 < 2^22, so the bits of 1.5 * 2^23 + part, read as a float,
-        # are that sum exactly and subtracting 1.5 * 2^23 leaves float32(part) exactly (the same
-        # bits as cvt). An integer add and a float add issue at full rate where the conversion
-        # is a quarter-rate instruction, which at 128 x 128 x 128 a group took longer than the
-        # group's int8 wgmma (the kernel ran at bf16's speed: bench/results/2026-12-02-gpu-s30/).
+    def _scaled_add(acc, part, s):
+        # Rounded apart, as eager's `out + part * s`: the compiler would contract a plain
+        # multiply and add into one fused multiply-add (one rounding, other bits), and
+        # libdevice's mul_rn/add_rn compile to flush-to-zero forms (.ftz), which eager's CUDA
+        # kernels are not. PTX's explicit .rn forms are neither contracted nor flushed.
         s = tl.broadcast_to(s, part.shape)
+        prod = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part, s], dtype=tl.float32, is_pure=True, pack=1
+        )
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t;
-            add.s32 t, $1, 0x4B400000;
-            sub.rn.f32 t, t, 0f4B400000;
-            mul.rn.f32 t, t, $2;
-            add.rn.f32 $0, $3, t;
-            }""",
-            "=f,r,f,f",
-            [part, s, acc],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=1,
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=tl.float32, is_pure=True, pack=1
         )
 
 
@@ -146,7 +132,7 @@ def _int8_mm_grouped_kernel(
         a, b = load_k_tiles(a_ptrs, b_ptrs, offs_k, K - j * BLOCK_K, EVEN_K)
         part = tl.dot(a, b, out_dtype=tl.int32)  # this group's exact sum
         s = tl.load(s_ptrs + j * stride_sg)
-        acc = _promote_add(acc, part, s[:, None])
+        acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -172,13 +158,6 @@ _tuned = triton.autotune(
 _TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TILES]
 
 
-def _programs_per_sm(meta) -> int:
-    """Programs the persistent kernel runs on an SM: two for the tiles of 64 x 128 and smaller
-    (at 4 warps they take under half an SM's registers and shared memory), so one program's
-    promotion, which waits on its own wgmma, overlaps the other's MMAs; one otherwise."""
-    return 2 if meta["BLOCK_M"] * meta["BLOCK_N"] <= 64 * 128 else 1
-
-
 @triton.jit
 def _int8_mm_grouped_tma_kernel(
     a_desc,
@@ -192,6 +171,7 @@ def _int8_mm_grouped_tma_kernel(
     stride_cn,
     stride_sm,
     stride_sg,
+    NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -200,8 +180,7 @@ def _int8_mm_grouped_tma_kernel(
     tl.static_assert(BLOCK_K == _GROUP_K)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # programs: one or two an SM (_programs)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,7 +191,7 @@ def _int8_mm_grouped_tma_kernel(
             b = b_desc.load([pid_n * BLOCK_N, j * BLOCK_K])  # (BN, BK): K-major
             part = tl.dot(a, b.T, out_dtype=tl.int32)  # this group's exact sum
             s = tl.load(s_ptrs + j * stride_sg)
-            acc = _promote_add(acc, part, s[:, None])
+            acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
         _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
             acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
         )
@@ -230,8 +209,8 @@ def launch_tma(a, b, a_scale, out, config: tuple | None = None) -> None:
     a_desc, b_desc, sms = tma_operands(a, b, config)
     args = (a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1))
     args += (a_scale.stride(0), a_scale.stride(1))
-    grid = persistent_grid(m, n, sms, _programs_per_sm)
-    _run(_int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {}, config, a.device)
+    grid = persistent_grid(m, n, sms)
+    _run(_int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {"NUM_SMS": sms}, config, a.device)
 
 
 def launch(a, b, a_scale, out, config: tuple | None = None) -> None:

@@ -499,13 +499,11 @@ def tma_operands(a, b, config: tuple | None = None):
     return a_desc, b_desc, sms
 
 
-def persistent_grid(m: int, n: int, sms: int, per_sm=None):
-    """A persistent kernel's grid: one program per SM (or `per_sm(meta)` of them), or one per
-    tile when there are fewer."""
+def persistent_grid(m: int, n: int, sms: int):
+    """A persistent kernel's grid: one program per SM, or one per tile when there are fewer."""
 
     def grid(meta):
-        programs = sms * (per_sm(meta) if per_sm else 1)
-        return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
     return grid
 
