@@ -30,6 +30,12 @@ GPUs without the Triton kernels). Under torch.compile the quantize is the Triton
 DTRAIN_INT8_QUANTIZE keeps the output gradients' apart (its default), else the torch ops,
 which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries of dy (about
 370 MB each for 1b's w1 at 16,384 tokens).
+
+Speed, measured (1x H200, bench/results/2026-12-02-gpu-s30/): the Triton GEMM runs at
+0.86-1.00x cuBLAS's bf16 on 1b's grad-weights, not at int8's rate, since each group's promotion
+waits for its wgmma and the next wgmma for the promotion; in training this mode gave 1.028x bf16
+against the default's (SwitchBack's bf16 grad-weight) 1.090x. It is the accurate all-int8
+option, not the fast one (docs/precision.md).
 """
 
 from __future__ import annotations
