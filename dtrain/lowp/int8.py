@@ -87,8 +87,6 @@ MAX_REDUCTION = 131072
 # (SwitchBack: a matmul in the compute dtype from the dequantized int8 input) or "int8_grouped"
 # (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8_grouped.py).
 GRAD_WEIGHT_MODES = ("int8", "bf16", "int8_grouped")
-# The modes whose grad_weight matmul runs on int8 tensor cores (the speed planner counts it).
-INT8_GRAD_WEIGHT_MODES = frozenset({"int8", "int8_grouped"})
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
 # (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")

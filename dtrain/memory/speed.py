@@ -26,7 +26,6 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from dtrain.hardware import fp8_gemm_dims_ok, matmul_kind
-from dtrain.lowp.int8 import INT8_GRAD_WEIGHT_MODES
 from dtrain.memory.machine import Machine
 from dtrain.memory.setup import MemorySetup, strategy_facts
 from dtrain.memory.state import state_bytes_per_element
@@ -101,12 +100,20 @@ QUANT_SPEED = {
     # and grad-input GEMMs (weighted by how often a block runs each) 1.588x bf16 torch.mm, so
     # 0.79 of the bf16 share of the int8 peak (twice bf16's); 8b's 1.722x, 0.86
     # (bench/results/2026-12-01-gpu-s25/call2_gemms_tma; the pointer kernel before it: 1b
-    # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight says int8
-    # (int8 or int8_grouped; the grouped GEMM's own efficiency is not measured yet).
+    # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight says
+    # int8 (GROUPED_GRAD_WEIGHT_VS_BF16 for int8_grouped).
     "int8": QuantSpeed("int8", efficiency=0.79, cast_passes=3.0, share=2 / 3),
     # torchao's module swap (the reference): 0.34x bf16 under fsdp (docs/benchmarks.md).
     "int8-torchao": QuantSpeed("int8", efficiency=0.2, cast_passes=6.0),
 }
+
+# precision.int8_grad_weight=int8_grouped: its grad-weight GEMM runs on int8 tensor cores, but
+# each group's promotion waits for its wgmma, so at 0.946x cuBLAS's bf16 (model=1b's
+# grad-weights weighted by how often a block runs each, 1x H200, bench/results/
+# 2026-12-02-gpu-s30/call1_tests_gemms): planned at the bf16 rate times that, not the int8 one.
+# 1b on one H200 is then planned at 59.5k tokens/s against the 60.6k measured (the int8 rate
+# planned 65.8k).
+GROUPED_GRAD_WEIGHT_VS_BF16 = 0.946
 
 # precision.fp8_scaling=delayed: the amax pass over each cast operand is fused into the kernel
 # that makes it (dtrain/lowp/fp8_delayed.py). One pass of three: 1b on one H200 is planned at
@@ -206,13 +213,15 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     if q is None or not machine.peak_flops.get(q.kind):
         t_lin = lin / rate
     else:
-        share = 1.0 if getattr(pr, "int8_grad_weight", "") in INT8_GRAD_WEIGHT_MODES else q.share
+        grad_weight = getattr(pr, "int8_grad_weight", "")
+        share = 1.0 if grad_weight == "int8" else q.share  # of the matmuls at the narrow rate
+        wide = rate * (GROUPED_GRAD_WEIGHT_VS_BF16 if grad_weight == "int8_grouped" else 1.0)
         narrow = _compute_rate(setup, machine, q.kind) * MATMUL_EFFICIENCY * q.efficiency
         passes = q.cast_passes - DELAYED_SAVED_PASSES * (
             getattr(pr, "fp8_scaling", "dynamic") == "delayed"
         )
         t_cast = passes * cfg.n_layer * lin_features * c * tokens / hbm
-        t_lin = lin * ((1 - share) / rate + share / narrow) + t_cast
+        t_lin = lin * ((1 - share) / wide + share / narrow) + t_cast
         fp8_head = fp8_gemm_dims_ok(cfg.d_model, cfg.vocab_size)
         if getattr(pr, "fp8_lm_head", False) and fp8_head:  # its matmuls and casts as a block's
             head_cast = passes * (cfg.d_model + cfg.vocab_size) * c * tokens / hbm
