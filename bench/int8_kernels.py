@@ -16,6 +16,9 @@ per matmul and end to end, every ratio against the bf16 of the same call.
      triton      dtrain's Triton int8 GEMM, dequantization fused, bf16 out (autotuned first)
      triton TMA  its persistent TMA kernel; for grad-input also with an fp32 output, what
                  q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
+     grouped     for grad-weight, precision.int8_grad_weight=int8_grouped's GEMM (scales per
+                 row per 128 tokens, fp32 out): the Triton kernels, and on Hopper the Gluon one
+                 (DTRAIN_INT8_GROUPED_GEMM=gluon), its faster tile
    and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
    int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
    gradients, weights and transposed weights: eager, torch.compile'd, the Triton op
@@ -179,8 +182,13 @@ def _fp8_mm(a, b, sa, sb):
     return torch._scaled_mm(fa, fb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
-# bf16 first: the others' speed-ups are against it. "grouped": grad-weight GEMMs only.
-GEMM_WAYS = ("bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "grouped", "fp8")
+# bf16 first: the others' speed-ups are against it. "grouped" (the Triton kernels) and
+# "grouped_gluon" (dtrain/lowp/int8_grouped_gluon.py, Hopper only; the faster of its tiles,
+# named in the JSON's `grouped_gluon_tile`): grad-weight GEMMs only.
+GEMM_WAYS = (
+    "bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "grouped",
+    "grouped_gluon", "fp8",
+)  # fmt: skip
 
 
 def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
@@ -230,6 +238,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                     sg = torch.rand(m, igt.group_count(k), device=device) + 0.01
                     grouped = partial(igt.int8_mm_grouped, a, b, sg, torch.float32)
                     res["grouped_ms"] = _try(_first_then_time, ms, grouped)
+                    res.update(_gluon_grouped(ms, a, b, sg, device))
                 # cuBLAS with 8-bit operands, row-wise scales, bf16 out: what fp8 gets
                 res["fp8_ms"] = _try(_first_then_time, ms, partial(_fp8_mm, a, b, sa, sb))
             del a, b, bf16_mm
@@ -245,6 +254,29 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                 res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
         out.append({**case, **res})
     return out
+
+
+def _gluon_grouped(ms, a, b, sg, device) -> dict:
+    """The Gluon grouped GEMM at each of its tiles (Hopper, operands TMA reads): the fastest's
+    time and which tile it was; {} where it cannot run."""
+    import torch
+
+    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.switches import has_gluon_hopper
+
+    if torch.cuda.get_device_capability(device)[0] != 9 or not has_gluon_hopper():
+        return {}
+    if not it._tma_ok(a, b):
+        return {}
+    from dtrain.lowp import int8_grouped_gluon as gg
+
+    out = torch.empty(a.shape[0], b.shape[1], device=device)
+    times = {t: _try(_first_then_time, ms, partial(gg.launch, a, b, sg, out, t)) for t in gg.TILES}
+    timed = {t: v for t, v in times.items() if isinstance(v, float)}
+    if not timed:
+        return {"grouped_gluon_ms": next(iter(times.values()))}  # the error
+    best = min(timed, key=timed.get)
+    return {"grouped_gluon_ms": timed[best], "grouped_gluon_tile": list(best)}
 
 
 def _fwd_bwd(linear, x, w, dy):
@@ -569,9 +601,10 @@ def render(res: dict) -> str:
             "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
             "",
             "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
-            "| triton TMA | TMA, fp32 out | grouped (grad-weight, fp32 out) | fp8 _scaled_mm "
-            "| _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 | grouped vs bf16 | fp8 vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| triton TMA | TMA, fp32 out | grouped (grad-weight, fp32 out) | grouped, Gluon "
+            "| fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 | grouped vs bf16 "
+            "| Gluon vs bf16 | fp8 vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gemms:
             lines.append(
@@ -582,11 +615,13 @@ def render(res: dict) -> str:
                 f"| {_cell(g.get('triton_tma_ms'), g.get('triton_tma_tflops'))} "
                 f"| {_cell(g.get('triton_tma_f32_ms'), g.get('triton_tma_f32_tflops'))} "
                 f"| {_cell(g.get('grouped_ms'), g.get('grouped_tflops'))} "
+                f"| {_cell(g.get('grouped_gluon_ms'), g.get('grouped_gluon_tflops'))} "
                 f"| {_cell(g.get('fp8_ms'), g.get('fp8_tflops'))} "
                 f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_tma_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('grouped_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(g.get('grouped_gluon_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('fp8_speedup_vs_bf16'), '{:.2f}x')} |"
             )
         lines.append("")

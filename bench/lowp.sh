@@ -12,7 +12,7 @@
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
-# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8apart, fp8fused,
+# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
 # fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
@@ -28,7 +28,8 @@ fsdp8b() {  # $1 = result name, then overrides
     trainer.micro_batch_size=1 data.vocab_size=128256 "$@"
 }
 # A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
-# int8gwg the same with grad-weight's output gradients scaled per 128 tokens (int8_grouped);
+# int8gwg the same with grad-weight's output gradients scaled per 128 tokens (int8_grouped),
+# int8gwgg that on the Gluon GEMM (DTRAIN_INT8_GROUPED_GEMM=gluon, by ggenv);
 # fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
 # dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
 # every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
@@ -39,7 +40,7 @@ fsdp8b() {  # $1 = result name, then overrides
 # moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit.py), fp8o8gi fp8o8 with
 # fast accumulation in the grad-input GEMM.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
-  int8gwg) echo "precision=int8 precision.int8_grad_weight=int8_grouped" ;;
+  int8gwg|int8gwgg) echo "precision=int8 precision.int8_grad_weight=int8_grouped" ;;
   fp8fused) echo "precision=fp8" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   fp8head) echo "precision=fp8 precision.fp8_lm_head=true" ;;
@@ -81,12 +82,13 @@ swenv() { case $1 in int8swiglu|int8all) echo fused ;; *) echo linears ;; esac; 
 # int8qsweeps: int8 with the quantize op on two sweeps of a fixed tile, the only way before the
 # twenty-eighth session (DTRAIN_INT8_QUANTIZE_TILES=sweeps), not autotuned with one pass.
 qtenv() { case $1 in int8qsweeps) echo sweeps ;; *) echo tuned ;; esac; }
+ggenv() { case $1 in int8gwgg) echo gluon ;; *) echo triton ;; esac; }
 # Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
 with_env() { local p=$1; shift
   DTRAIN_FP8_TRANSPOSE=$(fp8env $p) DTRAIN_INT8_QUANTIZE=$(int8env $p) \
     TORCHINDUCTOR_MULTI_KERNEL=$(mkenv $p) DTRAIN_INT8_GEMM=$(gemmenv $p) \
     DTRAIN_INT8_GRAD_INPUT=$(gienv $p) DTRAIN_INT8_SWIGLU=$(swenv $p) \
-    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) "$@"; }
+    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) DTRAIN_INT8_GROUPED_GEMM=$(ggenv $p) "$@"; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"

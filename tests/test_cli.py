@@ -66,6 +66,7 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
         ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
         ("DTRAIN_INT8_SWIGLU", "linears or fused"),
+        ("DTRAIN_INT8_GROUPED_GEMM", "triton or gluon"),
     ],
 )
 def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
@@ -76,6 +77,22 @@ def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
     monkeypatch.setenv(env, "sideways")
     with pytest.raises(ConfigError, match=f"^{env}='sideways' is not valid; choose {choices}$"):
         check_int8_switches()
+
+
+def test_the_gluon_grouped_gemm_needs_gluon_and_says_so_at_launch(monkeypatch):
+    """DTRAIN_INT8_GROUPED_GEMM=gluon with a Triton that has no Gluon for Hopper: one
+    ConfigError naming the variable, what it needs and the other choice."""
+    from dtrain.errors import ConfigError
+    from dtrain.lowp import switches
+
+    monkeypatch.setenv("DTRAIN_INT8_GROUPED_GEMM", "gluon")
+    monkeypatch.setattr(switches, "has_gluon_hopper", lambda: False)
+    said = (
+        r"^DTRAIN_INT8_GROUPED_GEMM=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
+        r"later\); (this is Triton |Triton is not).+: choose triton$"
+    )
+    with pytest.raises(ConfigError, match=said):
+        switches.check_int8_switches()
 
 
 def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):

@@ -150,3 +150,35 @@ def test_a_last_group_of_one_token_is_exact():
     b = torch.randint(-127, 128, (5, 129), dtype=torch.int8).t()
     out = ig.grouped_int_mm(a, torch.ones(6, 2), b, torch.float64)
     assert torch.equal(out, (a.long() @ b.long()).double())
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what the dispatch reads, with real strides."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "choice,capability,k,expected",
+    [
+        ("gluon", (9, 0), 256, True),  # chosen, on Hopper, operands TMA can read
+        ("triton", (9, 0), 256, False),  # the default
+        ("gluon", (10, 0), 256, False),  # Blackwell: no wgmma
+        ("gluon", (8, 0), 256, False),  # Ampere: no wgmma, no TMA
+        ("gluon", (9, 0), 200, False),  # rows of 200 int8: not 16-byte aligned for TMA
+    ],
+)
+def test_the_gluon_grouped_gemm_is_taken_only_where_chosen_and_it_can_run(
+    monkeypatch, choice, capability, k, expected
+):
+    """DTRAIN_INT8_GROUPED_GEMM=gluon puts the grouped GEMM on the Gluon kernel on Hopper (sm_90)
+    for TMA-readable operands, and nowhere else (the Triton kernels stay the default)."""
+    igt = pytest.importorskip("dtrain.lowp.int8_grouped_triton")
+    monkeypatch.setattr(igt, "GROUPED_GEMM", choice)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    a = torch.zeros(64, k, dtype=torch.int8).as_subclass(_OnCuda)  # (N, M tokens)
+    b = torch.zeros(96, k, dtype=torch.int8).t().as_subclass(_OnCuda)  # (M, K) column-major
+    assert igt._takes_gluon(a, b) is expected
+    assert not igt._takes_gluon(torch.zeros(64, 256, dtype=torch.int8), b)  # a CPU tensor

@@ -4,7 +4,9 @@ dequantizing epilogue and the quantize against the eager path bit for bit, odd s
 chunked reductions, the int8 linear's forward and backward, torch.compile in one graph.
 
 And the fused SwiGLU's kernels compiled for sm_90a (no GPU needed: Triton's own compiler and
-cuobjdump): the registers of every tile autotuning may choose, none spilled.
+cuobjdump): the registers of every tile autotuning may choose, none spilled; likewise the
+grouped grad-weight's GEMMs, the Triton ones and the Gluon one (its wgmma waited for with one
+left in flight, so each group's promotion runs beside the next group's MMA).
 
 Skipped where Triton is not installed (CPU wheels of torch do not ship it; the lowp extra
 installs it, so CI runs these). The same kernels run on a GPU: tests/gpu/test_int8_kernels.py.
@@ -77,12 +79,16 @@ def _compile_sm90(kernel, types: dict, consts: dict, warps: int, stages: int | N
 
 
 def _kernel_resources(kernel, types: dict, consts: dict, warps: int, stages=None):
-    """(registers, local bytes) a thread of `kernel` takes compiled for sm_90a (_compile_sm90);
-    cuobjdump reads the cubin."""
+    """(registers, local bytes) a thread of `kernel` takes compiled for sm_90a (_compile_sm90)."""
+    return _resources(_compile_sm90(kernel, types, consts, warps, stages))
+
+
+def _resources(compiled):
+    """(registers, local bytes) a thread of a kernel compiled here takes: cuobjdump reads the
+    cubin."""
     import os
     import tempfile
 
-    compiled = _compile_sm90(kernel, types, consts, warps, stages)
     tool = _cuobjdump()
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -227,3 +233,71 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkey
         consts = dict(stride_gn=1, stride_sn=1, GROUP_SIZE=igt.GROUP, BLOCK_N=block_n)
         regs, local = _kernel_resources(igt._quantize_groups_kernel, types, consts, warps)
         assert local == 0, (block_n, warps, regs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypatch):
+    """The Gluon grouped GEMM (dtrain/lowp/int8_grouped_gluon.py) compiled for sm_90a as
+    training launches it, at each of its tiles: warp-specialized (setmaxnreg: two consumer
+    warpgroups and a producer warp), int8 wgmma (s32 += s8 x s8) on TMA-loaded stages, and in
+    the SASS each consumer's four wgmmas of a group chained and then waited for once. ptxas
+    serialises wgmmas (every IGMMA then waits: its note C7514) when other instructions read an
+    accumulator while one is in flight, which the design must avoid for the promotion of one
+    consumer to overlap the other's MMAs. The promotion rounded as the portable path's (mul.rn,
+    add.rn: no fused multiply-add, no flush to zero); nothing spilled; shared memory within an
+    H100's."""
+    _skip_without_sm90_compiler(monkeypatch)
+    from dtrain.lowp.switches import has_gluon_hopper
+
+    if not has_gluon_hopper():
+        pytest.skip("this Triton has no Gluon for Hopper")
+    import os
+    import tempfile
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dtrain.lowp import int8_grouped_gluon as gg
+
+    kernel = gg._int8_mm_grouped_kernel
+    names = kernel.arg_names
+    a = torch.zeros(256, 256, dtype=torch.int8)
+    b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
+    for block_n, buffers in gg.TILES:
+        a_desc, b_desc = gg.descriptors(a, b, block_n)
+        sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc)}
+        sig.update({"c_ptr": "*fp32", "s_ptr": "*fp32"})
+        sig.update(dict.fromkeys(("M", "N", "K", "stride_cm", "stride_cn"), "i32"))
+        sig.update(dict.fromkeys(("stride_sm", "stride_sg"), "i32"))
+        consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = GluonASTSource(
+            fn=kernel,
+            signature=sig,
+            constexprs={(names.index(n),): v for n, v in consts.items()},
+            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "s_ptr")},
+        )
+        options = {"num_warps": 4}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        regs, local = _resources(compiled)
+        assert local == 0, (block_n, buffers, regs)
+        assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's
+        ptx = compiled.asm["ptx"]
+        assert "setmaxnreg" in ptx  # the partitions' register budgets: warp-specialized
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
+        assert "cp.async.bulk.tensor" in ptx and "mma.sync" not in ptx
+        assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
+        assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)
+        with tempfile.TemporaryDirectory() as d:
+            cubin = os.path.join(d, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            sass = subprocess.run(
+                [_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True
+            ).stdout
+        mmas = re.findall(r"IGMMA\.64x\d+x32\.S8\.S8[^;]*;", sass)
+        waited = [m for m in mmas if "gsb0" in m]
+        assert len(mmas) == 2 * 4 and len(waited) == 2, mmas  # two consumers, 4 chained a wait

@@ -43,6 +43,7 @@ from dtrain.lowp.int8_triton import (
     _grouped_tile,
     _run,
     _takes_tma,
+    _tma_ok,
     _tma_pre_hook,
     chosen_configs,
     gemm_config,
@@ -55,6 +56,7 @@ from dtrain.lowp.int8_triton import (
     tile_pointers,
     tma_operands,
 )
+from dtrain.lowp.switches import GROUPED_GEMM_CHOICES, GROUPED_GEMM_ENV, env_choice
 
 # The kernels index the scales by K step: each step must be one group.
 _GROUP_K = tl.constexpr(GROUP)
@@ -348,6 +350,23 @@ def _(g, token_scale):
     )
 
 
+# Which kernel runs the grouped GEMM on Hopper: the Triton ones above ("triton", the default) or
+# the Gluon one ("gluon", dtrain/lowp/int8_grouped_gluon.py): DTRAIN_INT8_GROUPED_GEMM, checked
+# at launch (dtrain/lowp/switches.py), read when this module loads.
+GROUPED_GEMM = env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES)
+
+
+def _takes_gluon(a, b) -> bool:
+    """The Gluon kernel: chosen, on Hopper itself (its wgmma is sm_90's; Blackwell has none),
+    operands TMA can read."""
+    return (
+        GROUPED_GEMM == "gluon"
+        and a.is_cuda
+        and torch.cuda.get_device_capability(a.device)[0] == 9
+        and _tma_ok(a, b)
+    )
+
+
 def _check(a, b, a_scale, out_dtype) -> None:
     if a.dtype != torch.int8 or b.dtype != torch.int8 or a.dim() != 2 or b.dim() != 2:
         raise ValueError(
@@ -381,7 +400,11 @@ def int8_mm_grouped(a, b, a_scale, out_dtype):
         return out
     if a.shape[1] == 0:
         return out.zero_()
-    if _takes_tma(a, b):
+    if _takes_gluon(a, b):
+        from dtrain.lowp import int8_grouped_gluon  # Gluon: imported only where it runs
+
+        int8_grouped_gluon.launch(a, b, a_scale, out)
+    elif _takes_tma(a, b):
         launch_tma(a, b, a_scale, out)
     else:
         launch(a, b, a_scale, out)

@@ -29,6 +29,21 @@ GEMM_ENV = "DTRAIN_INT8_GEMM"
 # fixed tile, the only way before the twenty-eighth session), for the A/B of the two.
 QUANTIZE_TILE_CHOICES = ("tuned", "sweeps")
 QUANTIZE_TILE_ENV = "DTRAIN_INT8_QUANTIZE_TILES"
+# precision.int8_grad_weight=int8_grouped's GEMM on Hopper: "triton" (dtrain/lowp/
+# int8_grouped_triton.py, the default) or "gluon" (dtrain/lowp/int8_grouped_gluon.py: warp-
+# specialized, one warpgroup promoting while the other's MMAs run; not yet run on a GPU), for
+# their A/B.
+GROUPED_GEMM_CHOICES = ("triton", "gluon")
+GROUPED_GEMM_ENV = "DTRAIN_INT8_GROUPED_GEMM"
+
+
+def has_gluon_hopper() -> bool:
+    """Whether this Triton has Gluon's Hopper language (wgmma with a waitable count, TMA)."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa
+    except ImportError:
+        return False
+    return True
 
 
 def check_int8_switches() -> None:
@@ -43,5 +58,17 @@ def check_int8_switches() -> None:
         (i8.QUANTIZE_ENV, i8.QUANTIZE_MODES),
         (i8.GRAD_INPUT_ENV, i8.GRAD_INPUT_MODES),
         (sw.SWIGLU_ENV, sw.SWIGLU_MODES),
+        (GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES),
     ):
         env_choice(env, choices)
+    if env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES) == "gluon" and not has_gluon_hopper():
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            have = f"this is Triton {version('triton')}"
+        except PackageNotFoundError:
+            have = "Triton is not installed"
+        raise ConfigError(
+            f"{GROUPED_GEMM_ENV}=gluon needs Triton's Gluon for Hopper (Triton 3.6 or later); "
+            f"{have}: choose triton"
+        )

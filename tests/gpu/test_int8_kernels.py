@@ -376,6 +376,34 @@ def test_every_grouped_tile_autotuning_may_choose_is_exact():
         assert torch.equal(out, ref), (launch.__name__, config)
 
 
+@pytest.mark.parametrize(
+    "n,m,k",
+    # (N, M, K): edges everywhere, 1b's grad-weights, one group, less than one group
+    [(1072, 2128, 560), (5632, 16384, 2048), (2048, 16384, 5632), (256, 128, 16), (256, 64, 16)],
+)
+def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit(monkeypatch, n, m, k):
+    """The Gluon kernel (dtrain/lowp/int8_grouped_gluon.py; DTRAIN_INT8_GROUPED_GEMM=gluon) at
+    each of its tiles, on Hopper: edges in every dimension, a short last group, one group, less
+    than one, and 1b's grad-weights (every tile stored: none left NaN); and int8_mm_grouped
+    taking it when chosen. A kernel that deadlocked on its barriers would hang here: run it
+    under a timeout (bench/gpu_suite.sh, or `timeout` around pytest)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel's wgmma is Hopper's (sm_90)")
+    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp import int8_grouped_gluon as gg
+    from dtrain.lowp import int8_grouped_triton as igt
+
+    a, b, s = _grouped_operands(n, m, k)  # m (the reduction) a multiple of 16: rows TMA reads
+    ref = ig.grouped_int_mm(a, s, b, torch.float32)
+    for tile in gg.TILES:
+        out = torch.full((n, k), float("nan"), device="cuda")  # a tile not written stays NaN
+        gg.launch(a, b, s, out, tile)
+        assert torch.equal(out, ref), tile
+    monkeypatch.setattr(igt, "GROUPED_GEMM", "gluon")
+    assert igt._takes_gluon(a, b)
+    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
+
+
 @pytest.mark.parametrize("m,n", [(16384, 5632), (16384, 2048), (8192, 14336), (300, 1000)])
 def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n):
     """Autotuned and in every tile, on bf16 output gradients with a loud token, against the

@@ -1,0 +1,216 @@
+"""int8_grouped's GEMM for Hopper in Gluon, warp-specialized so that one warpgroup's promotion
+runs while the other's MMA does.
+
+    launch(a, b, a_scale, out): the Triton kernels' computation and bits (dtrain/lowp/
+    int8_grouped_triton.py: a (M, K) int8 row-major, b (K, N) int8 column-major, a_scale
+    (M, groups) fp32; out (M, N) = the sum over the groups j, in order, of
+    float32(a[:, j] @ b[j]) * a_scale[:, j], in fp32), for operands TMA can read.
+
+Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, bench/results/
+2026-12-02-gpu-s30/). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
+sum (convert, scale, add), and only then issues the next; a CTA-wide barrier keeps its two
+warpgroups in step, so the tensor cores idle during every promotion. Waiting for fewer wgmmas
+in one warpgroup does not help: ptxas serialises every wgmma when other instructions read an
+accumulator while one is in flight (its note C7514; docs/precision.md).
+
+So here the warps are split (Gluon's `warp_specialize`) into three partitions that share only
+mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile, and one
+producer warp issuing the TMA loads into NUM_BUFFERS shared-memory stages. A consumer's K step
+is its own group's four chained wgmmas, a wait for them, the release of the stage, and the
+promotion; the two consumers do not wait for each other, and as the tensor cores run one
+warpgroup's wgmmas after the other's they fall out of step, one promoting while the other's
+MMAs run (CUTLASS's ping-pong, at the granularity of a group). Stages: `ready` (count 1: the
+producer's expected bytes) and `empty` (count 2: one arrive per consumer, after its wgmmas
+have read the stage; all start free).
+
+Compiled for sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships,
+and 3.9): wgmmas chained four to a wait in each consumer, nothing spilled. Not yet run on a
+GPU: DTRAIN_INT8_GROUPED_GEMM=gluon selects it (dtrain/lowp/switches.py); the Triton kernels
+stay the default until tests/gpu/test_int8_kernels.py and the GEMM micro-benchmark have run it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from dtrain.lowp.int8_grouped import GROUP
+
+# Gluon is experimental and renames: Triton 3.6 has tma.async_copy_global_to_shared, Triton 3.9
+# async_load (where the old name raises).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+# (BLOCK_N, NUM_BUFFERS); BLOCK_M is 128 (two consumers of 64 rows), BLOCK_K the group. A
+# consumer holds its fp32 sum and one group's int32 sum, 64 registers a thread each at
+# BLOCK_N 128 (168 in all, ptxas for sm_90a); 256 would need over the 232 it is given.
+# 32 KB of shared memory a stage.
+TILES = [(128, 4), (128, 3)]
+_BLOCK_M = 128
+_ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
+_GROUP = gl.constexpr(GROUP)  # the kernels' K step
+_GROUP_M = 8
+# Registers a thread of each worker partition (setmaxnreg): the second consumer, the producer.
+_WORKER_REGS = gl.constexpr([232, 40])
+
+
+@gluon.jit
+def _promote_add(acc, part, s):
+    # acc + float32(part) * s, the multiply and the add each rounded to nearest as eager's
+    # `out + part.float() * s` (no fused multiply-add, no flush to zero): the bits of the
+    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add).
+    prod = gl.inline_asm_elementwise(
+        "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part.to(gl.float32), s], dtype=gl.float32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles):
+    """One warp: group k's tiles of a (BLOCK_M, GROUP) and b (BLOCK_N, GROUP) into stage
+    k % NUM_BUFFERS once both consumers have released it (TMA fills past the edges with 0)."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    for k in range(k_tiles):
+        index = k % NUM_BUFFERS
+        mbarrier.wait(empty.index(index), (k // NUM_BUFFERS) & 1)
+        bar = ready.index(index)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
+        _tma_load(b_desc, [off_n, k * _GROUP], bar, b_bufs.index(index))
+
+
+@gluon.jit
+def _consumer(
+    HALF: gl.constexpr,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    c_ptr,
+    s_ptr,
+    off_m,
+    off_n,
+    M,
+    N,
+    k_tiles,
+    stride_cm,
+    stride_cn,
+    stride_sm,
+    stride_sg,
+):
+    """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group."""
+    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    ROWS: gl.constexpr = _ROWS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )  # wgmma m64nNk32 (int8)
+    rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    s_ptrs = s_ptr + (rows % M).to(gl.int64) * stride_sm  # rows past M: one inside, not stored
+    zero = gl.zeros([ROWS, BLOCK_N], gl.int32, mma)
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
+    for k in range(k_tiles):
+        index = k % NUM_BUFFERS
+        mbarrier.wait(ready.index(index), (k // NUM_BUFFERS) & 1)
+        a = a_bufs.index(index).slice(HALF * ROWS, ROWS)  # (64, GROUP)
+        b = b_bufs.index(index).permute((1, 0))  # (GROUP, BLOCK_N), K-major
+        part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        s = gl.load(s_ptrs + k * stride_sg)  # while the wgmmas run
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
+        acc = _promote_add(acc, part, gl.expand_dims(s, 1))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+    offs = gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols * stride_cn, 0)
+    gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _int8_mm_grouped_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    stride_cn,
+    stride_sm,
+    stride_sg,
+    GROUP_M: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # b's tiles are (BLOCK_N, GROUP)
+    gl.static_assert(BLOCK_M == 2 * _ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
+
+    # the output tile, grouped in GROUP_M rows of tiles (int8_triton._grouped_tile's order)
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    rows_here = min(num_pid_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % width) % rows_here) * BLOCK_M
+    off_n = ((pid % width) // rows_here) * BLOCK_N
+
+    a_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_M, _GROUP], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_N, _GROUP], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
+        mbarrier.arrive(empty.index(i), count=2)  # every stage starts free
+
+    k_tiles = gl.cdiv(K, _GROUP)
+    common = (a_bufs, b_bufs, ready, empty, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
+    common += (stride_cm, stride_cn, stride_sm, stride_sg)
+    loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
+    gl.warp_specialize(
+        [
+            (_consumer, (gl.constexpr(0),) + common),  # the default partition's 4 warps
+            (_consumer, (gl.constexpr(1),) + common),
+            (_producer, loads),
+        ],
+        [4, 1],
+        _WORKER_REGS,
+    )
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, block_n: int):
+    """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
+    row-major: tiles (128, GROUP) and (block_n, GROUP), both K-major as int8 wgmma reads."""
+    bt = b.t()
+    a_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, GROUP], gl.int8)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, GROUP], gl.int8)
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [_BLOCK_M, GROUP], a_layout)
+    b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, GROUP], b_layout)
+    return a_desc, b_desc
+
+
+def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
+    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS)."""
+    m, k = a.shape
+    n = b.shape[1]
+    block_n, buffers = tile
+    a_desc, b_desc = descriptors(a, b, block_n)
+    grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, block_n),)
+    with torch.cuda.device(a.device):
+        _int8_mm_grouped_kernel[grid](
+            a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1),
+            a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers,
+            num_warps=4,
+        )  # fmt: skip
