@@ -17,11 +17,12 @@ So here the warps are split (Gluon's `warp_specialize`) into three partitions th
 mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile, and one
 producer warp issuing the TMA loads into NUM_BUFFERS shared-memory stages. A consumer's K step
 is its own group's four chained wgmmas, a wait for them, the release of the stage, and the
-promotion; the two consumers do not wait for each other, and as the tensor cores run one
-warpgroup's wgmmas after the other's they fall out of step, one promoting while the other's
-MMAs run (CUTLASS's ping-pong, at the granularity of a group). Stages: `ready` (count 1: the
-producer's expected bytes) and `empty` (count 2: one arrive per consumer, after its wgmmas
-have read the stage; all start free).
+promotion. The consumers take turns issuing (two `turn` barriers, as CUTLASS's ping-pong
+orders its math warpgroups, here per group): consumer 0 issues group k's wgmmas, then
+consumer 1 its own, which the tensor cores run after consumer 0's, so consumer 0 promotes
+group k while consumer 1's MMAs run and consumer 1 promotes while consumer 0's group k + 1
+runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (count 2: one
+arrive per consumer, after its wgmmas have read the stage; all start free).
 
 Compiled for sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships,
 and 3.9): wgmmas chained four to a wait in each consumer, nothing spilled. Not yet run on a
@@ -51,8 +52,10 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # (BLOCK_N, NUM_BUFFERS); BLOCK_M is 128 (two consumers of 64 rows), BLOCK_K the group. A
 # consumer holds its fp32 sum and one group's int32 sum, 64 registers a thread each at
-# BLOCK_N 128 (168 in all, ptxas for sm_90a); 256 would need over the 232 it is given.
-# 32 KB of shared memory a stage.
+# BLOCK_N 128; at 256 the two alone would take 256, over the 232 a consumer is given. The
+# launch caps a thread at 168 registers (65,536 over 384 threads: Triton pads the producer's
+# warp to a warpgroup), setmaxnreg moves them to the consumers; nothing spills (the compile
+# test). 32 KB of shared memory a stage.
 TILES = [(128, 4), (128, 3)]
 _BLOCK_M = 128
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
@@ -97,6 +100,7 @@ def _consumer(
     b_bufs,
     ready,
     empty,
+    turn,
     c_ptr,
     s_ptr,
     off_m,
@@ -125,7 +129,9 @@ def _consumer(
         mbarrier.wait(ready.index(index), (k // NUM_BUFFERS) & 1)
         a = a_bufs.index(index).slice(HALF * ROWS, ROWS)  # (64, GROUP)
         b = b_bufs.index(index).permute((1, 0))  # (GROUP, BLOCK_N), K-major
+        mbarrier.wait(turn.index(HALF), k & 1)  # the other has issued its group k - 1 + HALF
         part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)  # its turn
         s = gl.load(s_ptrs + k * stride_sg)  # while the wgmmas run
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
@@ -174,9 +180,15 @@ def _int8_mm_grouped_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
         mbarrier.arrive(empty.index(i), count=2)  # every stage starts free
+    # turn[c]: consumer c may issue its next group's wgmmas (phase k: its group k), arrived by
+    # the other consumer once it has issued; consumer 0 goes first
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0), count=1)
 
     k_tiles = gl.cdiv(K, _GROUP)
-    common = (a_bufs, b_bufs, ready, empty, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
+    common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
     common += (stride_cm, stride_cn, stride_sm, stride_sg)
     loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
     gl.warp_specialize(

@@ -38,12 +38,17 @@ GROUPED_GEMM_ENV = "DTRAIN_INT8_GROUPED_GEMM"
 
 
 def has_gluon_hopper() -> bool:
-    """Whether this Triton has Gluon's Hopper language (wgmma with a waitable count, TMA)."""
+    """Whether this Triton has what dtrain/lowp/int8_grouped_gluon.py is written against:
+    Gluon's Hopper language (wgmma, TMA, mbarriers) and `warp_specialize` taking a list of
+    (function, arguments), as from Triton 3.6 (before it took the default partition apart)."""
+    import inspect
+
     try:
+        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa
     except ImportError:
         return False
-    return True
+    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 
 def check_int8_switches() -> None:
