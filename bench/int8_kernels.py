@@ -261,12 +261,10 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
     time and which tile it was; {} where it cannot run."""
     import torch
 
-    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp import int8_grouped_triton as igt
     from dtrain.lowp.switches import has_gluon_hopper
 
-    if torch.cuda.get_device_capability(device)[0] != 9 or not has_gluon_hopper():
-        return {}
-    if not it._tma_ok(a, b):
+    if not (has_gluon_hopper() and igt.gluon_applies(a, b)):  # the dispatch's own test
         return {}
     from dtrain.lowp import int8_grouped_gluon as gg
 

@@ -356,15 +356,15 @@ def _(g, token_scale):
 GROUPED_GEMM = env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES)
 
 
+def gluon_applies(a, b) -> bool:
+    """Whether the Gluon kernel can run these operands: on Hopper itself (its wgmma is sm_90's;
+    Blackwell has none), operands TMA can read."""
+    return a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and _tma_ok(a, b)
+
+
 def _takes_gluon(a, b) -> bool:
-    """The Gluon kernel: chosen, on Hopper itself (its wgmma is sm_90's; Blackwell has none),
-    operands TMA can read."""
-    return (
-        GROUPED_GEMM == "gluon"
-        and a.is_cuda
-        and torch.cuda.get_device_capability(a.device)[0] == 9
-        and _tma_ok(a, b)
-    )
+    """The Gluon kernel: chosen (GROUPED_GEMM) and it applies."""
+    return GROUPED_GEMM == "gluon" and gluon_applies(a, b)
 
 
 def _check(a, b, a_scale, out_dtype) -> None:
