@@ -274,7 +274,9 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
     if not timed:
         return {"grouped_gluon_ms": next(iter(times.values()))}  # the error
     best = min(timed, key=timed.get)
-    return {"grouped_gluon_ms": timed[best], "grouped_gluon_tile": list(best)}
+    every = {f"{n}x{buffers}": v for (n, buffers), v in times.items()}  # BLOCK_N x stages
+    return {"grouped_gluon_ms": timed[best], "grouped_gluon_tile": list(best),
+            "grouped_gluon_tiles_ms": every}  # fmt: skip
 
 
 def _fwd_bwd(linear, x, w, dy):

@@ -300,4 +300,6 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
             ).stdout
         mmas = re.findall(r"IGMMA\.64x\d+x32\.S8\.S8[^;]*;", sass)
         waited = [m for m in mmas if "gsb0" in m]
-        assert len(mmas) == 2 * 4 and len(waited) == 2, mmas  # two consumers, 4 chained a wait
+        chunks = block_n // 128  # a consumer's steps a group
+        # two consumers, four chained a step and then one wait
+        assert len(mmas) == 2 * 4 * chunks and len(waited) == 2 * chunks, mmas

@@ -56,10 +56,11 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # launch caps a thread at 168 registers (65,536 over 384 threads: Triton pads the producer's
 # warp to a warpgroup), setmaxnreg moves them to the consumers; nothing spills (the compile
 # test). 32 KB of shared memory a stage.
-TILES = [(128, 4), (128, 3)]
+TILES = [(128, 4), (128, 3), (256, 4), (256, 3)]
 _BLOCK_M = 128
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step
+_CHUNK_N = gl.constexpr(128)  # a consumer's columns a step
 _GROUP_M = 8
 # Registers a thread of each worker partition (setmaxnreg): the second consumer, the producer.
 _WORKER_REGS = gl.constexpr([232, 40])
@@ -94,6 +95,16 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tile
 
 
 @gluon.jit
+def _issue(a, b, zero, turn, HALF: gl.constexpr, step):
+    """This consumer's wgmmas of one step (a chunk of a group), when its turn comes; then the
+    other's turn. Step s of consumer c waits for phase s of turn[c]: the other's step s - 1 + c."""
+    mbarrier.wait(turn.index(HALF), step & 1)
+    part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - HALF), count=1)
+    return part
+
+
+@gluon.jit
 def _consumer(
     HALF: gl.constexpr,
     a_bufs,
@@ -113,30 +124,48 @@ def _consumer(
     stride_sm,
     stride_sg,
 ):
-    """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group."""
+    """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group, each group in
+    CHUNKS steps of _CHUNK_N columns (a BLOCK_N of 256 is two: its int32 sums would not fit
+    beside its fp32 ones in one step)."""
     NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    CHUNK_N: gl.constexpr = _CHUNK_N if BLOCK_N > _CHUNK_N else BLOCK_N
+    CHUNKS: gl.constexpr = BLOCK_N // CHUNK_N
+    gl.static_assert(CHUNKS <= 2, "BLOCK_N at most two chunks")
     ROWS: gl.constexpr = _ROWS
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CHUNK_N, 32]
     )  # wgmma m64nNk32 (int8)
     rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     s_ptrs = s_ptr + (rows % M).to(gl.int64) * stride_sm  # rows past M: one inside, not stored
-    zero = gl.zeros([ROWS, BLOCK_N], gl.int32, mma)
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
+    zero = gl.zeros([ROWS, CHUNK_N], gl.int32, mma)
+    acc0 = gl.zeros([ROWS, CHUNK_N], gl.float32, mma)
+    acc1 = gl.zeros([ROWS, CHUNK_N], gl.float32, mma)  # CHUNKS == 2 only (else dead)
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(ready.index(index), (k // NUM_BUFFERS) & 1)
         a = a_bufs.index(index).slice(HALF * ROWS, ROWS)  # (64, GROUP)
-        b = b_bufs.index(index).permute((1, 0))  # (GROUP, BLOCK_N), K-major
-        mbarrier.wait(turn.index(HALF), k & 1)  # the other has issued its group k - 1 + HALF
-        part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - HALF), count=1)  # its turn
-        s = gl.load(s_ptrs + k * stride_sg)  # while the wgmmas run
+        b = b_bufs.index(index)  # (BLOCK_N, GROUP): its chunks transposed are K-major
+        part = _issue(a, b.slice(0, CHUNK_N).permute((1, 0)), zero, turn, HALF, k * CHUNKS)
+        s = gl.expand_dims(gl.load(s_ptrs + k * stride_sg), 1)  # while the wgmmas run
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
-        acc = _promote_add(acc, part, gl.expand_dims(s, 1))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        if CHUNKS == 1:
+            mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
+        acc0 = _promote_add(acc0, part, s)
+        if CHUNKS == 2:
+            b1 = b.slice(CHUNK_N, CHUNK_N).permute((1, 0))
+            part = _issue(a, b1, zero, turn, HALF, k * CHUNKS + 1)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(index), count=1)
+            acc1 = _promote_add(acc1, part, s)
+    _store(acc0, c_ptr, rows, off_n, M, N, stride_cm, stride_cn, mma)
+    if CHUNKS == 2:
+        _store(acc1, c_ptr, rows, off_n + CHUNK_N, M, N, stride_cm, stride_cn, mma)
+
+
+@gluon.jit
+def _store(acc, c_ptr, rows, off_n, M, N, stride_cm, stride_cn, mma: gl.constexpr):
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, mma))
     mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
     offs = gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols * stride_cn, 0)
     gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
