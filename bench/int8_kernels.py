@@ -274,7 +274,7 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
     if not timed:
         return {"grouped_gluon_ms": next(iter(times.values()))}  # the error
     best = min(timed, key=timed.get)
-    every = {"x".join(map(str, t)): v for t, v in times.items()}  # BLOCK_N x stages x convert
+    every = {f"{n}x{buffers}": v for (n, buffers), v in times.items()}  # BLOCK_N x stages
     return {"grouped_gluon_ms": timed[best], "grouped_gluon_tile": list(best),
             "grouped_gluon_tiles_ms": every}  # fmt: skip
 

@@ -56,7 +56,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # launch caps a thread at 168 registers (65,536 over 384 threads: Triton pads the producer's
 # warp to a warpgroup), setmaxnreg moves them to the consumers; nothing spills (the compile
 # test). 32 KB of shared memory a stage.
-TILES = [(256, 4, "magic"), (256, 4, "cvt"), (256, 3, "magic"), (128, 4, "magic"), (128, 4, "cvt")]
+TILES = [(128, 4), (128, 3), (256, 4), (256, 3)]
 _BLOCK_M = 128
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step
@@ -67,32 +67,17 @@ _WORKER_REGS = gl.constexpr([232, 40])
 
 
 @gluon.jit
-def _promote_add(acc, part, s, MAGIC: gl.constexpr):
+def _promote_add(acc, part, s):
     # acc + float32(part) * s, the multiply and the add each rounded to nearest as eager's
     # `out + part.float() * s` (no fused multiply-add, no flush to zero): the bits of the
-    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add). MAGIC converts
-    # without cvt.rn.f32.s32: part + 0x4B400000 read as a float is 1.5 * 2**23 + part exactly
-    # (|part| <= 128 * 127 * 127 < 2**22), and subtracting 1.5 * 2**23 leaves float32(part).
-    if MAGIC:
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b32 t;
-            add.s32 t, $2, 0x4B400000;
-            sub.rn.f32 t, t, 0f4B400000;
-            mul.rn.f32 t, t, $3;
-            add.rn.f32 $0, $1, t;
-            }""",
-            "=f,f,r,f", [acc, part, s], dtype=gl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        prod = gl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part.to(gl.float32), s], dtype=gl.float32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-        return gl.inline_asm_elementwise(
-            "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=gl.float32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
+    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add).
+    prod = gl.inline_asm_elementwise(
+        "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part.to(gl.float32), s], dtype=gl.float32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=gl.float32, is_pure=True, pack=1
+    )
 
 
 @gluon.jit
@@ -138,7 +123,6 @@ def _consumer(
     stride_cn,
     stride_sm,
     stride_sg,
-    MAGIC: gl.constexpr,
 ):
     """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group, each group in
     CHUNKS steps of _CHUNK_N columns (a BLOCK_N of 256 is two: its int32 sums would not fit
@@ -167,13 +151,13 @@ def _consumer(
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if CHUNKS == 1:
             mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
-        acc0 = _promote_add(acc0, part, s, MAGIC)
+        acc0 = _promote_add(acc0, part, s)
         if CHUNKS == 2:
             b1 = b.slice(CHUNK_N, CHUNK_N).permute((1, 0))
             part = _issue(a, b1, zero, turn, HALF, k * CHUNKS + 1)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(index), count=1)
-            acc1 = _promote_add(acc1, part, s, MAGIC)
+            acc1 = _promote_add(acc1, part, s)
     _store(acc0, c_ptr, rows, off_n, M, N, stride_cm, stride_cn, mma)
     if CHUNKS == 2:
         _store(acc1, c_ptr, rows, off_n + CHUNK_N, M, N, stride_cm, stride_cn, mma)
@@ -202,7 +186,6 @@ def _int8_mm_grouped_kernel(
     stride_sg,
     GROUP_M: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
-    MAGIC: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # b's tiles are (BLOCK_N, GROUP)
@@ -235,7 +218,7 @@ def _int8_mm_grouped_kernel(
 
     k_tiles = gl.cdiv(K, _GROUP)
     common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
-    common += (stride_cm, stride_cn, stride_sm, stride_sg, MAGIC)
+    common += (stride_cm, stride_cn, stride_sm, stride_sg)
     loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
     gl.warp_specialize(
         [
@@ -260,16 +243,15 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, block_n: int):
 
 
 def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
-    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS, conversion)."""
+    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS)."""
     m, k = a.shape
     n = b.shape[1]
-    block_n, buffers, convert = tile
+    block_n, buffers = tile
     a_desc, b_desc = descriptors(a, b, block_n)
     grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, block_n),)
     with torch.cuda.device(a.device):
         _int8_mm_grouped_kernel[grid](
             a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1),
             a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers,
-            MAGIC=convert == "magic",
             num_warps=4,
         )  # fmt: skip
