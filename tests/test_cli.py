@@ -66,7 +66,7 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
         ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
         ("DTRAIN_INT8_SWIGLU", "linears or fused"),
-        ("DTRAIN_INT8_GROUPED_GEMM", "triton or gluon"),
+        ("DTRAIN_INT8_GROUPED_GEMM", "auto, gluon, triton"),
     ],
 )
 def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
@@ -89,7 +89,7 @@ def test_the_gluon_grouped_gemm_needs_gluon_and_says_so_at_launch(monkeypatch):
     monkeypatch.setattr(switches, "has_gluon_hopper", lambda: False)
     said = (
         r"^DTRAIN_INT8_GROUPED_GEMM=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
-        r"later\); (this is Triton |Triton is not).+: choose triton$"
+        r"later\); (this is Triton |Triton is not).+: choose auto or triton$"
     )
     with pytest.raises(ConfigError, match=said):
         switches.check_int8_switches()

@@ -164,7 +164,9 @@ class _OnCuda(torch.Tensor):
     "choice,capability,k,expected",
     [
         ("gluon", (9, 0), 256, True),  # chosen, on Hopper, operands TMA can read
-        ("triton", (9, 0), 256, False),  # the default
+        ("auto", (9, 0), 256, True),  # the default, where Triton has Gluon (as here)
+        ("triton", (9, 0), 256, False),  # the Triton kernels, chosen
+        ("auto", (10, 0), 256, False),
         ("gluon", (10, 0), 256, False),  # Blackwell: no wgmma
         ("gluon", (8, 0), 256, False),  # Ampere: no wgmma, no TMA
         ("gluon", (9, 0), 200, False),  # rows of 200 int8: not 16-byte aligned for TMA
@@ -173,12 +175,15 @@ class _OnCuda(torch.Tensor):
 def test_the_gluon_grouped_gemm_is_taken_only_where_chosen_and_it_can_run(
     monkeypatch, choice, capability, k, expected
 ):
-    """DTRAIN_INT8_GROUPED_GEMM=gluon puts the grouped GEMM on the Gluon kernel on Hopper (sm_90)
-    for TMA-readable operands, and nowhere else (the Triton kernels stay the default)."""
+    """The grouped GEMM runs on the Gluon kernel on Hopper (sm_90) for TMA-readable operands,
+    unless DTRAIN_INT8_GROUPED_GEMM=triton, and nowhere else."""
     igt = pytest.importorskip("dtrain.lowp.int8_grouped_triton")
     monkeypatch.setattr(igt, "GROUPED_GEMM", choice)
+    monkeypatch.setattr(igt, "has_gluon_hopper", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     a = torch.zeros(64, k, dtype=torch.int8).as_subclass(_OnCuda)  # (N, M tokens)
     b = torch.zeros(96, k, dtype=torch.int8).t().as_subclass(_OnCuda)  # (M, K) column-major
     assert igt._takes_gluon(a, b) is expected
     assert not igt._takes_gluon(torch.zeros(64, 256, dtype=torch.int8), b)  # a CPU tensor
+    monkeypatch.setattr(igt, "has_gluon_hopper", lambda: False)  # a Triton before 3.6
+    assert igt._takes_gluon(a, b) is (expected and choice == "gluon")

@@ -24,10 +24,16 @@ group k while consumer 1's MMAs run and consumer 1 promotes while consumer 0's g
 runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (count 2: one
 arrive per consumer, after its wgmmas have read the stage; all start free).
 
-Compiled for sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships,
-and 3.9): wgmmas chained four to a wait in each consumer, nothing spilled. Not yet run on a
-GPU: DTRAIN_INT8_GROUPED_GEMM=gluon selects it (dtrain/lowp/switches.py); the Triton kernels
-stay the default until tests/gpu/test_int8_kernels.py and the GEMM micro-benchmark have run it.
+Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portable path at every
+tile; on model=1b's and 8b's grad-weights 1.08-1.38x cuBLAS's bf16 and 1.27-1.81x the Triton
+kernel (the 256-wide tile, 4 stages: 0.424 ms for 1b's w1 against 0.574 and 0.591), 830-930
+TOP/s where the default int8 GEMM (one int32 sum) runs at 1,150-1,240. The exact magic-number
+int32-to-fp32 conversion in place of cvt was 8-12% slower here (call 4): the
+promotion is bound by issuing instructions, not by cvt's rate. Compiled for sm_90a on CPU in
+tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas chained four to
+a wait in each consumer, nothing spilled. It runs wherever it applies (int8_grouped_triton.
+gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for Hopper), unless
+DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
 """
 
 from __future__ import annotations
@@ -50,13 +56,17 @@ from dtrain.lowp.int8_grouped import GROUP
 # async_load (where the old name raises).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# (BLOCK_N, NUM_BUFFERS); BLOCK_M is 128 (two consumers of 64 rows), BLOCK_K the group. A
-# consumer holds its fp32 sum and one group's int32 sum, 64 registers a thread each at
-# BLOCK_N 128; at 256 the two alone would take 256, over the 232 a consumer is given. The
-# launch caps a thread at 168 registers (65,536 over 384 threads: Triton pads the producer's
-# warp to a warpgroup), setmaxnreg moves them to the consumers; nothing spills (the compile
-# test). 32 KB of shared memory a stage.
-TILES = [(128, 4), (128, 3), (256, 4), (256, 3)]
+# (BLOCK_N, NUM_BUFFERS), the first the one training runs; BLOCK_M is 128 (two consumers of 64
+# rows), BLOCK_K the group. A consumer holds its fp32 sums (64 registers a thread per 128
+# columns) and one step's int32 sum of 128 columns (64): at BLOCK_N 256 it takes a group in two
+# steps, as the int32 sums of 256 columns would not fit beside the fp32 ones in the 232
+# registers a consumer is given. The launch caps a thread at 168 registers (65,536 over 384
+# threads: Triton pads the producer's warp to a warpgroup), setmaxnreg moves them to the
+# consumers; nothing spills (the compile test). (128 + BLOCK_N) * 128 bytes of shared memory a
+# stage. 256 wide with 4 stages was the fastest at each of 1b's and 8b's grad-weights, 8-10%
+# faster than 128 wide (the B tile is read once for twice the outputs); 3 stages within 2%
+# (bench/results/2026-12-02-gpu-s31/call3_tiles256).
+TILES = [(256, 4), (256, 3), (128, 4)]
 _BLOCK_M = 128
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step

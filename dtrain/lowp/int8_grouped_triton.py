@@ -56,7 +56,12 @@ from dtrain.lowp.int8_triton import (
     tile_pointers,
     tma_operands,
 )
-from dtrain.lowp.switches import GROUPED_GEMM_CHOICES, GROUPED_GEMM_ENV, env_choice
+from dtrain.lowp.switches import (
+    GROUPED_GEMM_CHOICES,
+    GROUPED_GEMM_ENV,
+    env_choice,
+    has_gluon_hopper,
+)
 
 # The kernels index the scales by K step: each step must be one group.
 _GROUP_K = tl.constexpr(GROUP)
@@ -350,9 +355,10 @@ def _(g, token_scale):
     )
 
 
-# Which kernel runs the grouped GEMM on Hopper: the Triton ones above ("triton", the default) or
-# the Gluon one ("gluon", dtrain/lowp/int8_grouped_gluon.py): DTRAIN_INT8_GROUPED_GEMM, checked
-# at launch (dtrain/lowp/switches.py), read when this module loads.
+# Which kernel runs the grouped GEMM on Hopper: the Gluon one (dtrain/lowp/int8_grouped_gluon.py)
+# where this Triton has Gluon for Hopper ("auto", the default) or always ("gluon"), or the Triton
+# ones above ("triton"): DTRAIN_INT8_GROUPED_GEMM, checked at launch (dtrain/lowp/switches.py),
+# read when this module loads.
 GROUPED_GEMM = env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES)
 
 
@@ -362,9 +368,23 @@ def gluon_applies(a, b) -> bool:
     return a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and _tma_ok(a, b)
 
 
+@contextlib.contextmanager
+def grouped_gemm(choice: str):
+    """int8_mm_grouped on `choice` (one of GROUPED_GEMM_CHOICES) inside the block: for the
+    benchmark's columns and the GPU check, which time or test each kernel through it."""
+    global GROUPED_GEMM
+    before, GROUPED_GEMM = GROUPED_GEMM, choice
+    try:
+        yield
+    finally:
+        GROUPED_GEMM = before
+
+
 def _takes_gluon(a, b) -> bool:
-    """The Gluon kernel: chosen (GROUPED_GEMM) and it applies."""
-    return GROUPED_GEMM == "gluon" and gluon_applies(a, b)
+    """The Gluon kernel: chosen (GROUPED_GEMM; "auto" where this Triton has it) and it applies."""
+    if GROUPED_GEMM == "triton" or (GROUPED_GEMM == "auto" and not has_gluon_hopper()):
+        return False
+    return gluon_applies(a, b)
 
 
 def _check(a, b, a_scale, out_dtype) -> None:

@@ -5,6 +5,7 @@ so a bad value stops the run in one line before anything is written to the run d
 
 from __future__ import annotations
 
+import functools
 import os
 
 from dtrain.config import say_choices
@@ -29,14 +30,18 @@ GEMM_ENV = "DTRAIN_INT8_GEMM"
 # fixed tile, the only way before the twenty-eighth session), for the A/B of the two.
 QUANTIZE_TILE_CHOICES = ("tuned", "sweeps")
 QUANTIZE_TILE_ENV = "DTRAIN_INT8_QUANTIZE_TILES"
-# precision.int8_grad_weight=int8_grouped's GEMM on Hopper: "triton" (dtrain/lowp/
-# int8_grouped_triton.py, the default) or "gluon" (dtrain/lowp/int8_grouped_gluon.py: warp-
-# specialized, one warpgroup promoting while the other's MMAs run; not yet run on a GPU), for
-# their A/B.
-GROUPED_GEMM_CHOICES = ("triton", "gluon")
+# precision.int8_grad_weight=int8_grouped's GEMM on Hopper: "auto" (the default: the Gluon kernel
+# where this Triton has Gluon for Hopper, else the Triton ones), "gluon" (dtrain/lowp/
+# int8_grouped_gluon.py: warp-specialized, one warpgroup promoting while the other's MMAs run;
+# 1.27-1.81x the Triton kernels on 1b's and 8b's grad-weights on an H200, bench/results/
+# 2026-12-02-gpu-s31/; an error at launch without Gluon) or "triton" (dtrain/lowp/
+# int8_grouped_triton.py), for their A/B. Where the Gluon kernel does not apply (not Hopper,
+# operands TMA cannot read) the Triton kernels run whatever the choice.
+GROUPED_GEMM_CHOICES = ("auto", "gluon", "triton")
 GROUPED_GEMM_ENV = "DTRAIN_INT8_GROUPED_GEMM"
 
 
+@functools.cache
 def has_gluon_hopper() -> bool:
     """Whether this Triton has what dtrain/lowp/int8_grouped_gluon.py is written against:
     Gluon's Hopper language (wgmma, TMA, mbarriers) and `warp_specialize` taking a list of
@@ -75,5 +80,5 @@ def check_int8_switches() -> None:
             have = "Triton is not installed"
         raise ConfigError(
             f"{GROUPED_GEMM_ENV}=gluon needs Triton's Gluon for Hopper (Triton 3.6 or later); "
-            f"{have}: choose triton"
+            f"{have}: choose auto or triton"
         )

@@ -52,12 +52,12 @@ def main() -> int:
                 if not torch.equal(out, ref):
                     bad = (out != ref).sum().item()
                     failures.append(f"{(n, m, k)} tile {tile} run {r}: {bad} values differ")
-        igt.GROUPED_GEMM = "gluon"  # int8_mm_grouped takes it when chosen
-        if not igt._takes_gluon(a, b):
-            failures.append(f"{(n, m, k)}: int8_mm_grouped does not take the Gluon kernel")
-        elif not torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16()):
-            failures.append(f"{(n, m, k)}: int8_mm_grouped's bf16 output differs")
-        igt.GROUPED_GEMM = "triton"
+        for choice in ("auto", "gluon"):  # int8_mm_grouped takes it by default and when chosen
+            with igt.grouped_gemm(choice):
+                if not igt._takes_gluon(a, b):
+                    failures.append(f"{(n, m, k)}: {choice} does not take the Gluon kernel")
+                elif not torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16()):
+                    failures.append(f"{(n, m, k)}: int8_mm_grouped's bf16 output differs")
     for f in failures:
         print(f)
     print(f"{len(SHAPES)} shapes x {len(gg.TILES)} tiles x {REPEATS}: {len(failures)} failures")

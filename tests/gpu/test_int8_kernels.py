@@ -339,17 +339,20 @@ def _grouped_operands(n, m, k, seed=0):
     return operands(n, m, k, seed)
 
 
+@pytest.mark.parametrize("choice", ["triton", "auto"])
 @pytest.mark.parametrize("n,m,k", GROUPED)
-def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k):
-    """Autotuned, against one torch._int_mm per group, scaled and added in fp32 as eager does
-    (the kernel's multiply and add are rounded apart, no fused multiply-add)."""
+def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k, choice):
+    """Through int8_mm_grouped, on the Triton kernels (autotuned) and on the default (the Gluon
+    kernel where it applies), against one torch._int_mm per group, scaled and added in fp32 as
+    eager does (the kernels' multiply and add are rounded apart, no fused multiply-add)."""
     from dtrain.lowp import int8_grouped as ig
     from dtrain.lowp import int8_grouped_triton as igt
 
     a, b, s = _grouped_operands(n, m, k)
     ref = ig.grouped_int_mm(a, s, b, torch.float32)
-    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
-    assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
+    with igt.grouped_gemm(choice):
+        assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
+        assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
     if n * m * k >= 2**30 and torch.cuda.get_device_capability() >= (9, 0) and it.GEMM == "tma":
         assert it._takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
 
@@ -373,10 +376,10 @@ def test_every_grouped_tile_autotuning_may_choose_is_exact():
 
 
 def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
-    """The Gluon kernel (dtrain/lowp/int8_grouped_gluon.py; DTRAIN_INT8_GROUPED_GEMM=gluon) on
+    """The Gluon kernel (dtrain/lowp/int8_grouped_gluon.py; the default where it applies) on
     Hopper at each of its tiles, three times each: edges in every dimension, a short last
     group, one group, less than one, and 1b's grad-weights (every tile stored: none left NaN);
-    and int8_mm_grouped taking it when chosen. In a subprocess under a timeout
+    and int8_mm_grouped taking it by default and when chosen. In a subprocess under a timeout
     (tests/gpu/gluon_grouped_check.py): a deadlock on its barriers fails the test instead of
     hanging the suite."""
     if torch.cuda.get_device_capability()[0] != 9:
