@@ -107,13 +107,18 @@ QUANT_SPEED = {
     "int8-torchao": QuantSpeed("int8", efficiency=0.2, cast_passes=6.0),
 }
 
-# precision.int8_grad_weight=int8_grouped: its grad-weight GEMM runs on int8 tensor cores, but
-# each group's promotion waits for its wgmma, so at 0.946x cuBLAS's bf16 (model=1b's
-# grad-weights weighted by how often a block runs each, 1x H200, bench/results/
-# 2026-12-02-gpu-s30/call1_tests_gemms): planned at the bf16 rate times that, not the int8 one.
-# 1b on one H200 is then planned at 59.5k tokens/s against the 60.6k measured (the int8 rate
-# planned 65.8k).
-GROUPED_GRAD_WEIGHT_VS_BF16 = 0.946
+# precision.int8_grad_weight=int8_grouped: its grad-weight GEMM on Hopper is the warp-specialized
+# Gluon kernel (dtrain/lowp/int8_grouped_gluon.py), 1.30x cuBLAS's bf16 on model=1b's
+# grad-weights weighted by how often a block runs each (1x H200, bench/results/
+# 2026-12-02-gpu-s31/call4_tiles_magic_runs, its default tile): planned at the bf16 rate times
+# that. Its operands, dy and the saved input, are quantized along the tokens in groups, which
+# the default's bf16 grad-weight reads as they are: GROUPED_CAST_PASSES more passes over each
+# block's features. Fitted on 1b on one H200 to the grouped run over the default int8 run of one
+# call, 63,265 over 64,082 tokens/s (0.987; call2_runs, the kernel's 128-wide tile, 1.20x bf16):
+# planned 0.988. The Triton kernel it replaced (0.946x bf16, 2026-12-02-gpu-s30/call5_runs:
+# 60,616 over 64,286, 0.943) is then planned at 0.941.
+GROUPED_GRAD_WEIGHT_VS_BF16 = 1.30
+GROUPED_CAST_PASSES = 1.0
 
 # precision.fp8_scaling=delayed: the amax pass over each cast operand is fused into the kernel
 # that makes it (dtrain/lowp/fp8_delayed.py). One pass of three: 1b on one H200 is planned at
@@ -220,7 +225,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
         passes = q.cast_passes - DELAYED_SAVED_PASSES * (
             getattr(pr, "fp8_scaling", "dynamic") == "delayed"
         )
-        t_cast = passes * cfg.n_layer * lin_features * c * tokens / hbm
+        block_passes = passes + GROUPED_CAST_PASSES * (grad_weight == "int8_grouped")
+        t_cast = block_passes * cfg.n_layer * lin_features * c * tokens / hbm
         t_lin = lin * ((1 - share) / wide + share / narrow) + t_cast
         fp8_head = fp8_gemm_dims_ok(cfg.d_model, cfg.vocab_size)
         if getattr(pr, "fp8_lm_head", False) and fp8_head:  # its matmuls and casts as a block's
