@@ -28,8 +28,9 @@ fsdp8b() {  # $1 = result name, then overrides
     trainer.micro_batch_size=1 data.vocab_size=128256 "$@"
 }
 # A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
-# int8gwg the same with grad-weight's output gradients scaled per 128 tokens (int8_grouped),
-# int8gwgg that on the Gluon GEMM (DTRAIN_INT8_GROUPED_GEMM=gluon, by ggenv);
+# int8gwg the same with grad-weight's output gradients scaled per 128 tokens (int8_grouped) on
+# the Triton GEMMs, int8gwgg on the Gluon one (DTRAIN_INT8_GROUPED_GEMM=triton / gluon, by ggenv;
+# the default, auto, is the Gluon one on Hopper);
 # fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
 # dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
 # every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
