@@ -72,6 +72,63 @@ def test_grouped_int_mm_sums_each_group_exactly_then_scales_it():
     assert ((out.double() - exact).abs() <= 3 * 2**-24 * size).all()
 
 
+def _round_f32(x) -> float:
+    """The exact rational x rounded to the nearest fp32, ties to even."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    f = np.float32(float(x))  # float() rounds to fp64 correctly: within one fp32 step
+    near = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return float(min(near, key=lambda y: (abs(Fraction(float(y)) - x), int(y.view(np.int32)) & 1)))
+
+
+def test_fma_f32_is_a_fused_multiply_add_rounded_once():
+    """Against exact rational arithmetic: random fp32 triples over a wide range of exponents,
+    and the case where rounding the fp64 sum to fp32 rounds twice (1 + 2^-23 + 2^-24 - 2^-70
+    lands on an fp32 tie in fp64 and goes to the even neighbour, 1 + 2^-22; rounded once it is
+    1 + 2^-23), which the naive fp64 evaluation gets wrong."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    a, b, c = (
+        torch.randn(n, generator=g) * 2.0 ** torch.randint(-30, 30, (n,), generator=g)
+        for _ in range(3)
+    )
+    tie = torch.tensor([1 + 2**-23, 2**-24 * (1 - 2**-23), 1 + 2**-23])  # a, b, c
+    a, b, c = (torch.cat([t, tie[i : i + 1]]) for i, t in enumerate((a, b, c)))
+    want = torch.tensor(
+        [_round_f32(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in
+         zip(a.tolist(), b.tolist(), c.tolist(), strict=True)]
+    )  # fmt: skip
+    got = ig.fma_f32(a, b, c)
+    assert torch.equal(got, want)
+    assert got[-1].item() == 1 + 2**-23
+    naive = (a.double() * b.double() + c.double()).float()
+    assert naive[-1].item() == 1 + 2**-22  # rounded twice: the case is a real one
+
+
+def test_grouped_int_mm_fused_rounds_each_group_once():
+    """fused=True: each group's scale-and-add one fused multiply-add (fma_f32), so within a
+    rounding of the two-rounding sum, not equal to it everywhere."""
+    g = torch.Generator().manual_seed(1)
+    aq = torch.randint(-127, 128, (64, 1000), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (1000, 48), dtype=torch.int8, generator=g)
+    s = torch.rand(64, ig.group_count(1000), generator=g) + 0.01
+    fused = ig.grouped_int_mm(aq, s, b, torch.float32, fused=True)
+    apart = ig.grouped_int_mm(aq, s, b, torch.float32)
+    want, size = torch.zeros_like(apart), torch.zeros_like(apart, dtype=torch.float64)
+    for j in range(s.shape[1]):
+        part = aq[:, j * 128 : (j + 1) * 128].long() @ b[j * 128 : (j + 1) * 128].long()
+        want = ig.fma_f32(part.float(), s[:, j : j + 1], want)
+        size += part.double().abs() * s[:, j : j + 1].double()
+    assert torch.equal(fused, want)
+    # apart two roundings a group, fused one, each within 2^-24 of the running sum's size
+    assert ((fused.double() - apart.double()).abs() <= 3 * 8 * 2**-24 * size).all()
+    assert not torch.equal(fused, apart)
+
+
 def test_grouped_int_mm_does_not_overflow_where_one_int32_sum_would():
     """Full-scale values over 133,376 tokens: 2.15e9 a dot product, past int32's 2**31 - 1;
     each group's int32 sum is 128 * 127**2, summed across groups in fp32."""

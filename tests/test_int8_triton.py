@@ -244,8 +244,8 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
     serialises wgmmas (every IGMMA then waits: its note C7514) when other instructions read an
     accumulator while one is in flight, which the design must avoid for the promotion of one
     consumer to overlap the other's MMAs. The promotion rounded as the portable path's (mul.rn,
-    add.rn: no fused multiply-add, no flush to zero); nothing spilled; shared memory within an
-    H100's."""
+    add.rn: no fused multiply-add, no flush to zero), or in the FMA variant (the experiment on
+    the promotion's cost) one fma.rn; nothing spilled; shared memory within an H100's."""
     _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp.switches import has_gluon_hopper
 
@@ -266,13 +266,14 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
     names = kernel.arg_names
     a = torch.zeros(256, 256, dtype=torch.int8)
     b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
-    for block_n, buffers in gg.TILES:
+    variants = [(tile, False) for tile in gg.TILES] + [(gg.TILES[0], True)]  # and its FMA
+    for (block_n, buffers), fma in variants:
         a_desc, b_desc = gg.descriptors(a, b, block_n)
         sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc)}
         sig.update({"c_ptr": "*fp32", "s_ptr": "*fp32"})
         sig.update(dict.fromkeys(("M", "N", "K", "stride_cm", "stride_cn"), "i32"))
         sig.update(dict.fromkeys(("stride_sm", "stride_sg"), "i32"))
-        consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers}
+        consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers, "FMA": fma}
         sig.update(dict.fromkeys(consts, "constexpr"))
         src = GluonASTSource(
             fn=kernel,
@@ -289,8 +290,9 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
         assert "setmaxnreg" in ptx  # the partitions' register budgets: warp-specialized
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
         assert "cp.async.bulk.tensor" in ptx and "mma.sync" not in ptx
-        assert re.search(r"\bmul\.rn\.f32\b", ptx) and re.search(r"\badd\.rn\.f32\b", ptx)
-        assert not re.search(r"\bfma\.rn|\.ftz\.f32", ptx)
+        rounded_apart = bool(re.search(r"\bmul\.rn\.f32\b", ptx)) and "add.rn.f32" in ptx
+        assert rounded_apart != fma and bool(re.search(r"\bfma\.rn\.f32\b", ptx)) == fma
+        assert not re.search(r"\.ftz\.f32", ptx)
         with tempfile.TemporaryDirectory() as d:
             cubin = os.path.join(d, "k.cubin")
             with open(cubin, "wb") as f:

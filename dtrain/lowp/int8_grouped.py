@@ -31,11 +31,17 @@ DTRAIN_INT8_QUANTIZE keeps the output gradients' apart (its default), else the t
 which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries of dy (about
 370 MB each for 1b's w1 at 16,384 tokens).
 
-Speed, measured (1x H200, bench/results/2026-12-02-gpu-s30/): the Triton GEMM runs at
-0.86-1.00x cuBLAS's bf16 on 1b's grad-weights, not at int8's rate, since each group's promotion
-waits for its wgmma and the next wgmma for the promotion; in training this mode gave 1.028x bf16
-against the default's (SwitchBack's bf16 grad-weight) 1.090x. It is the accurate all-int8
-option, not the fast one (docs/precision.md).
+Speed, measured (1x H200): the Triton GEMM runs at 0.86-1.00x cuBLAS's bf16 on 1b's
+grad-weights, since each group's promotion waits for its wgmma and the next wgmma for the
+promotion (bench/results/2026-12-02-gpu-s30/: this mode 1.028x bf16 in training, the default's
+SwitchBack bf16 grad-weight 1.090x). On Hopper the Gluon GEMM (dtrain/lowp/
+int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.08-1.38x, and the mode at about
+the default's speed (2026-12-02-gpu-s31/: 1.070-1.074x against 1.084x). It is the accurate
+all-int8 option, not yet the fast one (docs/precision.md).
+
+`fused=True` (grouped_int_mm, fma_f32) is the same sum with each group's scale-and-add one
+fused multiply-add, rounded once: what the Gluon kernel's FMA variant computes, an experiment on
+the promotion's cost (two instructions a value instead of three), not what training runs.
 """
 
 from __future__ import annotations
@@ -73,16 +79,42 @@ def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
 
 
 def grouped_int_mm(
-    aq: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
+    aq: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    fused: bool = False,
 ) -> torch.Tensor:
     """aq (N, M) int8, a_scale (N, ceil(M / GROUP)) fp32, b (M, K) int8 -> (N, K) out_dtype:
-    the sum over the groups j, in order, of float(aq[:, j] @ b[j]) * a_scale[:, j], in fp32."""
+    the sum over the groups j, in order, of float(aq[:, j] @ b[j]) * a_scale[:, j], in fp32,
+    each product and sum rounded apart, or (`fused`) each as one fused multiply-add."""
     out = torch.zeros((aq.shape[0], b.shape[1]), dtype=torch.float32, device=aq.device)
     for j in range(a_scale.shape[1]):
         lo, hi = j * GROUP, (j + 1) * GROUP
         part = int_mm(aq[:, lo:hi].contiguous(), b[lo:hi].t().contiguous().t())
-        out = out + part.float() * a_scale[:, j : j + 1]
+        if fused:
+            out = fma_f32(part.float(), a_scale[:, j : j + 1], out)
+        else:
+            out = out + part.float() * a_scale[:, j : j + 1]
     return out.to(out_dtype)
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c for fp32 tensors (broadcast), rounded once to fp32 as a fused multiply-add
+    (fma.rn.f32) rounds: torch has no such op. In fp64 the product is exact (24 + 24 bits of
+    53); the sum is made round-to-odd (its exact error by TwoSum: where it is not zero and the
+    sum's last bit is even, the sum steps one ulp toward it), and round-to-odd at 53 bits then
+    rounded to 24 is the exact sum correctly rounded (Boldo and Melquiond: any precision at
+    least two bits more than the target's)."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    v = s - p
+    err = (p - (s - v)) + (c - v)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(s.dtype)
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
 
 
 def grad_weight_grouped(

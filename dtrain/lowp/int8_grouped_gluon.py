@@ -77,10 +77,17 @@ _WORKER_REGS = gl.constexpr([232, 40])
 
 
 @gluon.jit
-def _promote_add(acc, part, s):
+def _promote_add(acc, part, s, FMA: gl.constexpr):
     # acc + float32(part) * s, the multiply and the add each rounded to nearest as eager's
     # `out + part.float() * s` (no fused multiply-add, no flush to zero): the bits of the
-    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add).
+    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add). FMA: one fused
+    # multiply-add, rounded once (int8_grouped.grouped_int_mm's `fused`), two instructions a
+    # value instead of three: the experiment on whether the promotion's issue bounds the kernel.
+    if FMA:
+        return gl.inline_asm_elementwise(
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part.to(gl.float32), s, acc],
+            dtype=gl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
     prod = gl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part.to(gl.float32), s], dtype=gl.float32,
         is_pure=True, pack=1,
@@ -133,6 +140,7 @@ def _consumer(
     stride_cn,
     stride_sm,
     stride_sg,
+    FMA: gl.constexpr,
 ):
     """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group, each group in
     CHUNKS steps of _CHUNK_N columns (a BLOCK_N of 256 is two: its int32 sums would not fit
@@ -161,13 +169,13 @@ def _consumer(
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if CHUNKS == 1:
             mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
-        acc0 = _promote_add(acc0, part, s)
+        acc0 = _promote_add(acc0, part, s, FMA)
         if CHUNKS == 2:
             b1 = b.slice(CHUNK_N, CHUNK_N).permute((1, 0))
             part = _issue(a, b1, zero, turn, HALF, k * CHUNKS + 1)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(index), count=1)
-            acc1 = _promote_add(acc1, part, s)
+            acc1 = _promote_add(acc1, part, s, FMA)
     _store(acc0, c_ptr, rows, off_n, M, N, stride_cm, stride_cn, mma)
     if CHUNKS == 2:
         _store(acc1, c_ptr, rows, off_n + CHUNK_N, M, N, stride_cm, stride_cn, mma)
@@ -196,6 +204,7 @@ def _int8_mm_grouped_kernel(
     stride_sg,
     GROUP_M: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    FMA: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # b's tiles are (BLOCK_N, GROUP)
@@ -228,7 +237,7 @@ def _int8_mm_grouped_kernel(
 
     k_tiles = gl.cdiv(K, _GROUP)
     common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
-    common += (stride_cm, stride_cn, stride_sm, stride_sg)
+    common += (stride_cm, stride_cn, stride_sm, stride_sg, FMA)
     loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
     gl.warp_specialize(
         [
@@ -252,8 +261,9 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, block_n: int):
     return a_desc, b_desc
 
 
-def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
-    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS)."""
+def launch(a, b, a_scale, out, tile: tuple = TILES[0], fma: bool = False) -> None:
+    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS); `fma`: each group's
+    scale-and-add fused (int8_grouped.grouped_int_mm's `fused`; not what training runs)."""
     m, k = a.shape
     n = b.shape[1]
     block_n, buffers = tile
@@ -262,6 +272,6 @@ def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
     with torch.cuda.device(a.device):
         _int8_mm_grouped_kernel[grid](
             a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1),
-            a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers,
+            a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers, FMA=fma,
             num_warps=4,
         )  # fmt: skip

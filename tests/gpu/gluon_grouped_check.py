@@ -9,6 +9,7 @@ that deadlocked on its mbarriers would otherwise hang the suite, with no Python 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 
@@ -36,6 +37,18 @@ def operands(n, m, k, seed=0):
     return a, b, s
 
 
+def _runs(label, launch, want, shape, failures) -> None:
+    """launch(out) REPEATS times into NaN-filled outputs (unwritten stays NaN), each bit for bit
+    `want`."""
+    for r in range(REPEATS):
+        out = torch.full(want.shape, float("nan"), device="cuda")
+        launch(out)
+        torch.cuda.synchronize()
+        if not torch.equal(out, want):
+            bad = (out != want).sum().item()
+            failures.append(f"{shape} {label} run {r}: {bad} values differ")
+
+
 def main() -> int:
     from dtrain.lowp import int8_grouped_gluon as gg  # Gluon: only where the check runs
     from dtrain.lowp import int8_grouped_triton as igt
@@ -45,13 +58,10 @@ def main() -> int:
         a, b, s = operands(n, m, k)
         ref = ig.grouped_int_mm(a, s, b, torch.float32)
         for tile in gg.TILES:
-            for r in range(REPEATS):
-                out = torch.full((n, k), float("nan"), device="cuda")  # unwritten stays NaN
-                gg.launch(a, b, s, out, tile)
-                torch.cuda.synchronize()
-                if not torch.equal(out, ref):
-                    bad = (out != ref).sum().item()
-                    failures.append(f"{(n, m, k)} tile {tile} run {r}: {bad} values differ")
+            _runs(f"tile {tile}", partial(gg.launch, a, b, s, tile=tile), ref, (n, m, k), failures)
+        fused = ig.grouped_int_mm(a, s, b, torch.float32, fused=True)  # the FMA variant's
+        fma = partial(gg.launch, a, b, s, tile=gg.TILES[0], fma=True)
+        _runs("FMA", fma, fused, (n, m, k), failures)
         for choice in ("auto", "gluon"):  # int8_mm_grouped takes it by default and when chosen
             with igt.grouped_gemm(choice):
                 if not igt._takes_gluon(a, b):
@@ -60,7 +70,8 @@ def main() -> int:
                     failures.append(f"{(n, m, k)}: int8_mm_grouped's bf16 output differs")
     for f in failures:
         print(f)
-    print(f"{len(SHAPES)} shapes x {len(gg.TILES)} tiles x {REPEATS}: {len(failures)} failures")
+    runs = f"{len(SHAPES)} shapes x ({len(gg.TILES)} tiles + FMA) x {REPEATS}"
+    print(f"{runs}: {len(failures)} failures")
     return 1 if failures else 0
 
 
