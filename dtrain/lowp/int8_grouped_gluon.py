@@ -15,13 +15,13 @@ accumulator while one is in flight (its note C7514; docs/precision.md).
 
 So here the warps are split (Gluon's `warp_specialize`) into three partitions that share only
 mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile, and one
-producer warp issuing the TMA loads into NUM_BUFFERS shared-memory stages. A consumer's K step
-is its own group's four chained wgmmas, a wait for them, the release of the stage, and the
-promotion. The consumers take turns issuing (two `turn` barriers, as CUTLASS's ping-pong
-orders its math warpgroups, here per group): consumer 0 issues group k's wgmmas, then
-consumer 1 its own, which the tensor cores run after consumer 0's, so consumer 0 promotes
-group k while consumer 1's MMAs run and consumer 1 promotes while consumer 0's group k + 1
-runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (count 2: one
+producer warp issuing the TMA loads into NUM_BUFFERS shared-memory stages. A consumer's step
+is four chained wgmmas over one group and 128 columns (a 256-wide tile takes two steps a
+group), a wait for them, and the promotion; after a group's last step it releases the stage.
+The consumers take turns issuing (two `turn` barriers, as CUTLASS's ping-pong orders its math
+warpgroups, here per step): consumer 0 issues step j's wgmmas, then consumer 1 its own, which
+the tensor cores run after consumer 0's, so consumer 0 promotes step j while consumer 1's MMAs
+run and consumer 1 promotes while consumer 0's step j + 1 runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (count 2: one
 arrive per consumer, after its wgmmas have read the stage; all start free).
 
 Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portable path at every
