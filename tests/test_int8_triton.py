@@ -238,14 +238,15 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkey
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypatch):
     """The Gluon grouped GEMM (dtrain/lowp/int8_grouped_gluon.py) compiled for sm_90a as
-    training launches it, at each of its tiles: warp-specialized (setmaxnreg: two consumer
-    warpgroups and a producer warp), int8 wgmma (s32 += s8 x s8) on TMA-loaded stages, and in
-    the SASS each consumer's four wgmmas of a group chained and then waited for once. ptxas
-    serialises wgmmas (every IGMMA then waits: its note C7514) when other instructions read an
-    accumulator while one is in flight, which the design must avoid for the promotion of one
-    consumer to overlap the other's MMAs. The promotion rounded as the portable path's (mul.rn,
-    add.rn: no fused multiply-add, no flush to zero), or in the FMA variant (the experiment on
-    the promotion's cost) one fma.rn; nothing spilled; shared memory within an H100's."""
+    training launches it, at each of its tiles: warp-specialized (setmaxnreg: two or three
+    consumer warpgroups and a producer warp), int8 wgmma (s32 += s8 x s8) on TMA-loaded
+    stages, and in the SASS each consumer's four wgmmas of a step chained and then waited for
+    once. ptxas serialises wgmmas (every IGMMA then waits: its note C7514) when other
+    instructions read an accumulator while one is in flight, which the design must avoid for
+    the promotion of one consumer to overlap another's MMAs. The promotion rounded as the
+    portable path's (mul.rn, add.rn: no fused multiply-add, no flush to zero), or in the FMA
+    variant (the experiment on the promotion's cost) one fma.rn; nothing spilled; shared
+    memory within an H100's."""
     _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp.switches import has_gluon_hopper
 
@@ -267,13 +268,13 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
     a = torch.zeros(256, 256, dtype=torch.int8)
     b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
     variants = [(tile, False) for tile in gg.TILES] + [(gg.TILES[0], True)]  # and its FMA
-    for (block_n, buffers), fma in variants:
-        a_desc, b_desc = gg.descriptors(a, b, block_n)
+    for (block_m, block_n, buffers), fma in variants:
+        a_desc, b_desc = gg.descriptors(a, b, block_m, block_n)
         sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc)}
         sig.update({"c_ptr": "*fp32", "s_ptr": "*fp32"})
         sig.update(dict.fromkeys(("M", "N", "K", "stride_cm", "stride_cn"), "i32"))
         sig.update(dict.fromkeys(("stride_sm", "stride_sg"), "i32"))
-        consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers, "FMA": fma}
+        consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers, "FMA": fma, "CONSUMERS": block_m // 64}
         sig.update(dict.fromkeys(consts, "constexpr"))
         src = GluonASTSource(
             fn=kernel,
@@ -284,7 +285,7 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
         options = {"num_warps": 4}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         regs, local = _resources(compiled)
-        assert local == 0, (block_n, buffers, regs)
+        assert local == 0, (block_m, block_n, buffers, regs)
         assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's
         ptx = compiled.asm["ptx"]
         assert "setmaxnreg" in ptx  # the partitions' register budgets: warp-specialized
@@ -302,6 +303,6 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
             ).stdout
         mmas = re.findall(r"IGMMA\.64x\d+x32\.S8\.S8[^;]*;", sass)
         waited = [m for m in mmas if "gsb0" in m]
-        chunks = block_n // 128  # a consumer's steps a group
-        # two consumers, four chained a step and then one wait
-        assert len(mmas) == 2 * 4 * chunks and len(waited) == 2 * chunks, mmas
+        chunks, consumers = block_n // 128, block_m // 64  # a consumer's steps a group
+        # each consumer four chained a step and then one wait
+        assert len(mmas) == consumers * 4 * chunks and len(waited) == consumers * chunks, mmas

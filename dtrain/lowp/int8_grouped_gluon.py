@@ -13,15 +13,16 @@ warpgroups in step, so the tensor cores idle during every promotion. Waiting for
 in one warpgroup does not help: ptxas serialises every wgmma when other instructions read an
 accumulator while one is in flight (its note C7514; docs/precision.md).
 
-So here the warps are split (Gluon's `warp_specialize`) into three partitions that share only
-mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile, and one
-producer warp issuing the TMA loads into NUM_BUFFERS shared-memory stages. A consumer's step
-is four chained wgmmas over one group and 128 columns (a 256-wide tile takes two steps a
-group), a wait for them, and the promotion; after a group's last step it releases the stage.
-The consumers take turns issuing (two `turn` barriers, as CUTLASS's ping-pong orders its math
-warpgroups, here per step): consumer 0 issues step j's wgmmas, then consumer 1 its own, which
-the tensor cores run after consumer 0's, so consumer 0 promotes step j while consumer 1's MMAs
-run and consumer 1 promotes while consumer 0's step j + 1 runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (count 2: one
+So here the warps are split (Gluon's `warp_specialize`) into partitions that share only
+mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile (or three
+on 192 rows: a tile not yet measured), and one producer warp issuing the TMA loads into
+NUM_BUFFERS shared-memory stages. A consumer's step is four chained wgmmas over one group and
+128 columns (a 256-wide tile takes two steps a group), a wait for them, and the promotion;
+after a group's last step it releases the stage. The consumers take turns issuing (`turn`
+barriers, as CUTLASS's ping-pong orders its math warpgroups, here per step): consumer 0 issues
+step j's wgmmas, then consumer 1 its own, which the tensor cores run after consumer 0's, so
+consumer 0 promotes step j while consumer 1's MMAs run and consumer 1 promotes while consumer
+0's step j + 1 runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (one
 arrive per consumer, after its wgmmas have read the stage; all start free).
 
 Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portable path at every
@@ -56,24 +57,27 @@ from dtrain.lowp.int8_grouped import GROUP
 # async_load (where the old name raises).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# (BLOCK_N, NUM_BUFFERS), the first the one training runs; BLOCK_M is 128 (two consumers of 64
-# rows), BLOCK_K the group. A consumer holds its fp32 sums (64 registers a thread per 128
-# columns) and one step's int32 sum of 128 columns (64): at BLOCK_N 256 it takes a group in two
-# steps, as the int32 sums of 256 columns would not fit beside the fp32 ones in the 232
-# registers a consumer is given. The launch caps a thread at 168 registers (65,536 over 384
-# threads: Triton pads the producer's warp to a warpgroup), setmaxnreg moves them to the
-# consumers; nothing spills (the compile test). (128 + BLOCK_N) * 128 bytes of shared memory a
-# stage. 256 wide with 4 stages was the fastest at each of 1b's and 8b's grad-weights, 8-10%
-# faster than 128 wide (the B tile is read once for twice the outputs); 3 stages within 2%
-# (bench/results/2026-12-02-gpu-s31/call3_tiles256).
-TILES = [(256, 4), (256, 3), (128, 4)]
-_BLOCK_M = 128
-_ROWS = gl.constexpr(64)  # a consumer warpgroup's half: wgmma's M
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS), the first the one training runs. BLOCK_M is 64 rows a
+# consumer warpgroup: 128 (two) or 192 (three), BLOCK_K the group. A consumer holds its fp32
+# sums (64 registers a thread per 128 columns) and one step's int32 sum of 128 columns (64): at
+# BLOCK_N 256 it takes a group in two steps, as the int32 sums of 256 columns would not fit
+# beside the fp32 ones in the 232 registers a consumer is given. (BLOCK_M + BLOCK_N) * 128 bytes
+# of shared memory a stage. 128 x 256 with 4 stages was the fastest at each of 1b's and 8b's
+# grad-weights, 8-10% faster than 128 wide (the B tile is read once for twice the outputs); 3
+# stages within 2% (bench/results/2026-12-02-gpu-s31/call3_tiles256). 192 x 128, three
+# consumers, is not yet measured: with two, a consumer's promotion has only the other's MMAs to
+# hide behind, about as long; with three it has two's.
+TILES = [(128, 256, 4), (128, 256, 3), (128, 128, 4), (192, 128, 4)]
+_ROWS = gl.constexpr(64)  # a consumer warpgroup's rows: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step
 _CHUNK_N = gl.constexpr(128)  # a consumer's columns a step
 _GROUP_M = 8
-# Registers a thread of each worker partition (setmaxnreg): the second consumer, the producer.
+# Registers a thread of each worker partition (setmaxnreg): the other consumers, the producer.
+# Two consumers: the launch caps a thread at 168 (65,536 over 384 threads: Triton pads the
+# producer's warp to a warpgroup), setmaxnreg moves them to the consumers. Three: 128 at launch
+# (512 threads), 160 for each consumer, 24 for the producer. Nothing spills (the compile test).
 _WORKER_REGS = gl.constexpr([232, 40])
+_WORKER_REGS_3 = gl.constexpr([160, 160, 24])
 
 
 @gluon.jit
@@ -100,30 +104,52 @@ def _promote_add(acc, part, s, FMA: gl.constexpr):
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles):
     """One warp: group k's tiles of a (BLOCK_M, GROUP) and b (BLOCK_N, GROUP) into stage
-    k % NUM_BUFFERS once both consumers have released it (TMA fills past the edges with 0)."""
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    k % NUM_BUFFERS once every consumer has released it (TMA fills past the edges with 0).
+    Three consumers' a comes in three (64, GROUP) boxes, one a consumer (_a_stage)."""
+    NUM_BUFFERS: gl.constexpr = b_bufs.shape[0]
+    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS  # 1, or 4 (the fourth unused)
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(empty.index(index), (k // NUM_BUFFERS) & 1)
         bar = ready.index(index)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
+        if BOXES == 1:
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
+        else:
+            mbarrier.expect(bar, 3 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for c in gl.static_range(3):
+                row = off_m + c * _ROWS
+                _tma_load(a_desc, [row, k * _GROUP], bar, a_bufs.index(index * BOXES + c))
         _tma_load(b_desc, [off_n, k * _GROUP], bar, b_bufs.index(index))
 
 
 @gluon.jit
-def _issue(a, b, zero, turn, HALF: gl.constexpr, step):
+def _a_stage(a_bufs, index, INDEX: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+    """Consumer INDEX's (64, GROUP) rows of a in stage `index`: a slice of the stage's
+    (128, GROUP) box (two consumers) or its own box (three: Gluon's shared memory takes powers
+    of two only, so not one (192, GROUP) box)."""
+    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS
+    if BOXES == 1:
+        return a_bufs.index(index).slice(INDEX * _ROWS, _ROWS)
+    else:
+        return a_bufs.index(index * BOXES + INDEX)
+
+
+@gluon.jit
+def _issue(a, b, zero, turn, INDEX: gl.constexpr, CONSUMERS: gl.constexpr, step):
     """This consumer's wgmmas of one step (a chunk of a group), when its turn comes; then the
-    other's turn. Step s of consumer c waits for phase s of turn[c]: the other's step s - 1 + c."""
-    mbarrier.wait(turn.index(HALF), step & 1)
+    next consumer's turn. Step s of consumer c waits for phase s of turn[c]: arrived by
+    consumer c - 1 after its step s (by the last consumer after its step s - 1, for c = 0)."""
+    mbarrier.wait(turn.index(INDEX), step & 1)
     part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - HALF), count=1)
+    mbarrier.arrive(turn.index((INDEX + 1) % CONSUMERS), count=1)
     return part
 
 
 @gluon.jit
 def _consumer(
-    HALF: gl.constexpr,
+    INDEX: gl.constexpr,
+    CONSUMERS: gl.constexpr,
     a_bufs,
     b_bufs,
     ready,
@@ -142,10 +168,10 @@ def _consumer(
     stride_sg,
     FMA: gl.constexpr,
 ):
-    """One warpgroup: rows off_m + 64 * HALF onwards of the tile, group by group, each group in
+    """One warpgroup: rows off_m + 64 * INDEX onwards of the tile, group by group, each group in
     CHUNKS steps of _CHUNK_N columns (a BLOCK_N of 256 is two: its int32 sums would not fit
     beside its fp32 ones in one step)."""
-    NUM_BUFFERS: gl.constexpr = a_bufs.shape[0]
+    NUM_BUFFERS: gl.constexpr = b_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     CHUNK_N: gl.constexpr = _CHUNK_N if BLOCK_N > _CHUNK_N else BLOCK_N
     CHUNKS: gl.constexpr = BLOCK_N // CHUNK_N
@@ -154,7 +180,7 @@ def _consumer(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CHUNK_N, 32]
     )  # wgmma m64nNk32 (int8)
-    rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    rows = off_m + INDEX * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     s_ptrs = s_ptr + (rows % M).to(gl.int64) * stride_sm  # rows past M: one inside, not stored
     zero = gl.zeros([ROWS, CHUNK_N], gl.int32, mma)
     acc0 = gl.zeros([ROWS, CHUNK_N], gl.float32, mma)
@@ -162,9 +188,10 @@ def _consumer(
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(ready.index(index), (k // NUM_BUFFERS) & 1)
-        a = a_bufs.index(index).slice(HALF * ROWS, ROWS)  # (64, GROUP)
+        a = _a_stage(a_bufs, index, INDEX, NUM_BUFFERS)  # (64, GROUP)
         b = b_bufs.index(index)  # (BLOCK_N, GROUP): its chunks transposed are K-major
-        part = _issue(a, b.slice(0, CHUNK_N).permute((1, 0)), zero, turn, HALF, k * CHUNKS)
+        b0 = b.slice(0, CHUNK_N).permute((1, 0))
+        part = _issue(a, b0, zero, turn, INDEX, CONSUMERS, k * CHUNKS)
         s = gl.expand_dims(gl.load(s_ptrs + k * stride_sg), 1)  # while the wgmmas run
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if CHUNKS == 1:
@@ -172,7 +199,7 @@ def _consumer(
         acc0 = _promote_add(acc0, part, s, FMA)
         if CHUNKS == 2:
             b1 = b.slice(CHUNK_N, CHUNK_N).permute((1, 0))
-            part = _issue(a, b1, zero, turn, HALF, k * CHUNKS + 1)
+            part = _issue(a, b1, zero, turn, INDEX, CONSUMERS, k * CHUNKS + 1)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(index), count=1)
             acc1 = _promote_add(acc1, part, s, FMA)
@@ -205,10 +232,11 @@ def _int8_mm_grouped_kernel(
     GROUP_M: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
     FMA: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = CONSUMERS * _ROWS
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # b's tiles are (BLOCK_N, GROUP)
-    gl.static_assert(BLOCK_M == 2 * _ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumers")
     gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
 
     # the output tile, grouped in GROUP_M rows of tiles (int8_triton._grouped_tile's order)
@@ -220,18 +248,25 @@ def _int8_mm_grouped_kernel(
     off_m = (first_m + (pid % width) % rows_here) * BLOCK_M
     off_n = ((pid % width) // rows_here) * BLOCK_N
 
-    a_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_M, _GROUP], a_desc.layout)
+    # a's stages: one (128, GROUP) box each for two consumers; for three, a (64, GROUP) box a
+    # consumer (the descriptor's box), four a stage as shared memory takes powers of two
+    BOXES: gl.constexpr = 1 if CONSUMERS == 2 else 4
+    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    gl.static_assert(A_ROWS == (BLOCK_M if CONSUMERS == 2 else _ROWS), "a's TMA box")
+    a_bufs = gl.allocate_shared_memory(
+        gl.int8, [NUM_BUFFERS * BOXES, A_ROWS, _GROUP], a_desc.layout
+    )
     b_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_N, _GROUP], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
-        mbarrier.arrive(empty.index(i), count=2)  # every stage starts free
-    # turn[c]: consumer c may issue its next group's wgmmas (phase k: its group k), arrived by
-    # the other consumer once it has issued; consumer 0 goes first
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrive from each consumer
+        mbarrier.arrive(empty.index(i), count=CONSUMERS)  # every stage starts free
+    # turn[c]: consumer c may issue its next step's wgmmas (phase s: its step s), arrived by the
+    # consumer before it once that has issued; consumer 0 goes first
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.arrive(turn.index(0), count=1)
 
@@ -239,39 +274,55 @@ def _int8_mm_grouped_kernel(
     common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
     common += (stride_cm, stride_cn, stride_sm, stride_sg, FMA)
     loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
-    gl.warp_specialize(
-        [
-            (_consumer, (gl.constexpr(0),) + common),  # the default partition's 4 warps
-            (_consumer, (gl.constexpr(1),) + common),
-            (_producer, loads),
-        ],
-        [4, 1],
-        _WORKER_REGS,
-    )
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (gl.constexpr(0), CONSUMERS) + common),  # the default partition
+                (_consumer, (gl.constexpr(1), CONSUMERS) + common),
+                (_producer, loads),
+            ],
+            [4, 1],
+            _WORKER_REGS,
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (gl.constexpr(0), CONSUMERS) + common),
+                (_consumer, (gl.constexpr(1), CONSUMERS) + common),
+                (_consumer, (gl.constexpr(2), CONSUMERS) + common),
+                (_producer, loads),
+            ],
+            [4, 4, 1],
+            _WORKER_REGS_3,
+        )
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor, block_n: int):
+def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int):
     """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
-    row-major: tiles (128, GROUP) and (block_n, GROUP), both K-major as int8 wgmma reads."""
+    row-major: boxes (block_m, GROUP), or (64, GROUP) for three consumers' 192 rows (a box a
+    consumer), and (block_n, GROUP), both K-major as int8 wgmma reads."""
     bt = b.t()
-    a_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, GROUP], gl.int8)
+    box_m = block_m if block_m == 128 else 64
+    a_layout = gl.NVMMASharedLayout.get_default_for([box_m, GROUP], gl.int8)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, GROUP], gl.int8)
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [_BLOCK_M, GROUP], a_layout)
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [box_m, GROUP], a_layout)
     b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, GROUP], b_layout)
     return a_desc, b_desc
 
 
 def launch(a, b, a_scale, out, tile: tuple = TILES[0], fma: bool = False) -> None:
-    """The grouped GEMM into `out` with `tile` = (BLOCK_N, NUM_BUFFERS); `fma`: each group's
-    scale-and-add fused (int8_grouped.grouped_int_mm's `fused`; not what training runs)."""
+    """The grouped GEMM into `out` with `tile` = (BLOCK_M, BLOCK_N, NUM_BUFFERS); `fma`: each
+    group's scale-and-add fused (int8_grouped.grouped_int_mm's `fused`; not what training
+    runs)."""
     m, k = a.shape
     n = b.shape[1]
-    block_n, buffers = tile
-    a_desc, b_desc = descriptors(a, b, block_n)
-    grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, block_n),)
+    block_m, block_n, buffers = tile
+    a_desc, b_desc = descriptors(a, b, block_m, block_n)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     with torch.cuda.device(a.device):
         _int8_mm_grouped_kernel[grid](
             a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1),
             a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers, FMA=fma,
-            num_warps=4,
+            CONSUMERS=block_m // 64,
+            num_warps=4,  # the default partition's: consumer 0
         )  # fmt: skip

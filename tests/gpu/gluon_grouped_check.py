@@ -39,7 +39,8 @@ def operands(n, m, k, seed=0):
 
 def _runs(label, launch, want, shape, failures) -> None:
     """launch(out) REPEATS times into NaN-filled outputs (unwritten stays NaN), each bit for bit
-    `want`."""
+    `want`. Names the launch first: a run that hangs shows which."""
+    print(f"{shape} {label}", flush=True)
     for r in range(REPEATS):
         out = torch.full(want.shape, float("nan"), device="cuda")
         launch(out)

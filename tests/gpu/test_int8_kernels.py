@@ -397,10 +397,11 @@ def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
     try:
         res = subprocess.run(
             [sys.executable, str(script)], cwd=ROOT, env=cli_env(), capture_output=True,
-            text=True, timeout=300,
+            text=True, timeout=120,
         )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail("the Gluon grouped GEMM did not finish in 300 s: a deadlock on its barriers?")
+    except subprocess.TimeoutExpired as e:  # it runs in about 20 s on an H200
+        last = (e.stdout or b"").decode(errors="replace").strip().splitlines()[-1:]
+        pytest.fail(f"the Gluon grouped GEMM did not finish in 120 s (a deadlock?); last: {last}")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
