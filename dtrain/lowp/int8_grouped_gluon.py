@@ -107,7 +107,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tile
     k % NUM_BUFFERS once every consumer has released it (TMA fills past the edges with 0).
     Three consumers' a comes in three (64, GROUP) boxes, one a consumer (_a_stage)."""
     NUM_BUFFERS: gl.constexpr = b_bufs.shape[0]
-    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS  # 1, or 4 (the fourth unused)
+    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS  # 1, or 3: one a consumer
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(empty.index(index), (k // NUM_BUFFERS) & 1)
@@ -116,8 +116,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tile
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
         else:
-            mbarrier.expect(bar, 3 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            for c in gl.static_range(3):
+            mbarrier.expect(bar, BOXES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for c in gl.static_range(BOXES):
                 row = off_m + c * _ROWS
                 _tma_load(a_desc, [row, k * _GROUP], bar, a_bufs.index(index * BOXES + c))
         _tma_load(b_desc, [off_n, k * _GROUP], bar, b_bufs.index(index))
@@ -126,8 +126,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tile
 @gluon.jit
 def _a_stage(a_bufs, index, INDEX: gl.constexpr, NUM_BUFFERS: gl.constexpr):
     """Consumer INDEX's (64, GROUP) rows of a in stage `index`: a slice of the stage's
-    (128, GROUP) box (two consumers) or its own box (three: Gluon's shared memory takes powers
-    of two only, so not one (192, GROUP) box)."""
+    (128, GROUP) box (two consumers) or its own box (three: a TMA box's sides are powers of
+    two, so not one (192, GROUP) box)."""
     BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS
     if BOXES == 1:
         return a_bufs.index(index).slice(INDEX * _ROWS, _ROWS)
@@ -249,8 +249,8 @@ def _int8_mm_grouped_kernel(
     off_n = ((pid % width) // rows_here) * BLOCK_N
 
     # a's stages: one (128, GROUP) box each for two consumers; for three, a (64, GROUP) box a
-    # consumer (the descriptor's box), four a stage as shared memory takes powers of two
-    BOXES: gl.constexpr = 1 if CONSUMERS == 2 else 4
+    # consumer (the descriptor's box: a TMA box's sides are powers of two)
+    BOXES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
     A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
     gl.static_assert(A_ROWS == (BLOCK_M if CONSUMERS == 2 else _ROWS), "a's TMA box")
     a_bufs = gl.allocate_shared_memory(
@@ -314,6 +314,8 @@ def launch(a, b, a_scale, out, tile: tuple = TILES[0], fma: bool = False) -> Non
     """The grouped GEMM into `out` with `tile` = (BLOCK_M, BLOCK_N, NUM_BUFFERS); `fma`: each
     group's scale-and-add fused (int8_grouped.grouped_int_mm's `fused`; not what training
     runs)."""
+    if tuple(tile) not in TILES:  # each compiled without spills in the compile test
+        raise ValueError(f"int8_grouped_gluon.launch: tile {tile} is not one of {TILES}")
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, buffers = tile
