@@ -15,7 +15,7 @@ accumulator while one is in flight (its note C7514; docs/precision.md).
 
 So here the warps are split (Gluon's `warp_specialize`) into partitions that share only
 mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile (or three
-on 192 rows: a tile not yet measured), and one producer warp issuing the TMA loads into
+on 192 rows: measured slower), and one producer warp issuing the TMA loads into
 NUM_BUFFERS shared-memory stages. A consumer's step is four chained wgmmas over one group and
 128 columns (a 256-wide tile takes two steps a group), a wait for them, and the promotion;
 after a group's last step it releases the stage. The consumers take turns issuing (`turn`
@@ -65,8 +65,10 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # of shared memory a stage. 128 x 256 with 4 stages was the fastest at each of 1b's and 8b's
 # grad-weights, 8-10% faster than 128 wide (the B tile is read once for twice the outputs); 3
 # stages within 2% (bench/results/2026-12-02-gpu-s31/call3_tiles256). 192 x 128, three
-# consumers, is not yet measured: with two, a consumer's promotion has only the other's MMAs to
-# hide behind, about as long; with three it has two's.
+# consumers (each promotion hidden behind two others' MMAs), was slower at every grad-weight
+# (1b w1: 0.441 ms against 0.426; q,o 0.215 against 0.147; bench/results/2026-12-02-gpu-s32/
+# call1_tests_gemms_runs): the promotion's latency is not the bound; FMA=True, two
+# instructions a value instead of three, was 7-11% faster: its issue is.
 TILES = [(128, 256, 4), (128, 256, 3), (128, 128, 4), (192, 128, 4)]
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's rows: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step
