@@ -276,10 +276,6 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
         return {"grouped_gluon_ms": next(iter(times.values()))}  # the error
     best = min(timed, key=timed.get)
     every = {"x".join(map(str, t)): v for t, v in times.items()}  # BLOCK_M x BLOCK_N x stages
-    # the FMA variant (each group's scale-and-add rounded once; not what training runs): is the
-    # promotion's issue what bounds the kernel?
-    fma = partial(gg.launch, a, b, sg, out, gg.TILES[0], fma=True)
-    every["x".join(map(str, gg.TILES[0])) + "xfma"] = _try(_first_then_time, ms, fma)
     return {"grouped_gluon_ms": timed[best], "grouped_gluon_tile": list(best),
             "grouped_gluon_tiles_ms": every}  # fmt: skip
 

@@ -65,7 +65,7 @@ def test_grouped_int_mm_sums_each_group_exactly_then_scales_it():
     ]
     ref = torch.zeros(n, k)
     for j, part in enumerate(parts):  # exact integer sums, then fp32: scaled, added in order
-        ref = ref + part.float() * s[:, j : j + 1]
+        ref = ig.fma_f32(part.float(), s[:, j : j + 1], ref)  # rounded once (tested below)
     assert torch.equal(out, ref)
     exact = sum(part.double() * s[:, j : j + 1].double() for j, part in enumerate(parts))
     size = sum(part.double().abs() * s[:, j : j + 1].double() for j, part in enumerate(parts))
@@ -109,21 +109,20 @@ def test_fma_f32_is_a_fused_multiply_add_rounded_once():
     assert naive[-1].item() == 1 + 2**-22  # rounded twice: the case is a real one
 
 
-def test_grouped_int_mm_fused_rounds_each_group_once():
-    """fused=True: each group's scale-and-add one fused multiply-add (fma_f32), so within a
-    rounding of the two-rounding sum, not equal to it everywhere."""
+def test_grouped_int_mm_rounds_each_groups_scale_and_add_once():
+    """Each group's scale-and-add is one fused multiply-add (what the kernels' fma.rn.f32
+    computes), not a multiply and an add rounded apart: within a rounding of that sum, and not
+    equal to it everywhere, so the test sees which one runs."""
     g = torch.Generator().manual_seed(1)
     aq = torch.randint(-127, 128, (64, 1000), dtype=torch.int8, generator=g)
     b = torch.randint(-127, 128, (1000, 48), dtype=torch.int8, generator=g)
     s = torch.rand(64, ig.group_count(1000), generator=g) + 0.01
-    fused = ig.grouped_int_mm(aq, s, b, torch.float32, fused=True)
-    apart = ig.grouped_int_mm(aq, s, b, torch.float32)
-    want, size = torch.zeros_like(apart), torch.zeros_like(apart, dtype=torch.float64)
+    fused = ig.grouped_int_mm(aq, s, b, torch.float32)
+    apart, size = torch.zeros_like(fused), torch.zeros_like(fused, dtype=torch.float64)
     for j in range(s.shape[1]):
         part = aq[:, j * 128 : (j + 1) * 128].long() @ b[j * 128 : (j + 1) * 128].long()
-        want = ig.fma_f32(part.float(), s[:, j : j + 1], want)
+        apart = apart + part.float() * s[:, j : j + 1]
         size += part.double().abs() * s[:, j : j + 1].double()
-    assert torch.equal(fused, want)
     # apart two roundings a group, fused one, each within 2^-24 of the running sum's size
     assert ((fused.double() - apart.double()).abs() <= 3 * 8 * 2**-24 * size).all()
     assert not torch.equal(fused, apart)

@@ -17,7 +17,10 @@ group of GROUP consecutive tokens, the fine-grained scaling DeepSeek-V3 gives it
     dW[n, k] = sum over the groups j, in order, of float(sum_{m in j} gq[n, m] xq[m, k]) * s[n, j]
 
 Each group's integer sum is exact (at most 128 * 127^2 < 2^24, so exact in fp32 too); it is
-scaled and added to an fp32 accumulator group by group. A loud token now flattens only its own
+scaled and added to an fp32 accumulator group by group, the multiply and the add one fused
+multiply-add rounded once (`fma_f32` here, fma.rn.f32 in the kernels): two instructions a
+value in the GEMM's promotion where rounding them apart takes three, which made the Gluon
+kernel 7-11% faster (bench/results/2026-12-02-gpu-s32/), and one rounding, not two. A loud token now flattens only its own
 group's 127 neighbours. The GEMM reads gq with the tokens contiguous and xq column-major (both
 operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once per layer, as in
 the "int8" mode.
@@ -39,9 +42,6 @@ int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.08-1.38x, and the
 the default's speed (2026-12-02-gpu-s31/: 1.070-1.074x against 1.084x). It is the accurate
 all-int8 option, not yet the fast one (docs/precision.md).
 
-`fused=True` (grouped_int_mm, fma_f32) is the same sum with each group's scale-and-add one
-fused multiply-add, rounded once: what the Gluon kernel's FMA variant computes, an experiment on
-the promotion's cost (two instructions a value instead of three), not what training runs.
 """
 
 from __future__ import annotations
@@ -79,23 +79,16 @@ def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
 
 
 def grouped_int_mm(
-    aq: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    out_dtype: torch.dtype,
-    fused: bool = False,
+    aq: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """aq (N, M) int8, a_scale (N, ceil(M / GROUP)) fp32, b (M, K) int8 -> (N, K) out_dtype:
     the sum over the groups j, in order, of float(aq[:, j] @ b[j]) * a_scale[:, j], in fp32,
-    each product and sum rounded apart, or (`fused`) each as one fused multiply-add."""
+    each group's product and sum one fused multiply-add (the kernels' bits)."""
     out = torch.zeros((aq.shape[0], b.shape[1]), dtype=torch.float32, device=aq.device)
     for j in range(a_scale.shape[1]):
         lo, hi = j * GROUP, (j + 1) * GROUP
         part = int_mm(aq[:, lo:hi].contiguous(), b[lo:hi].t().contiguous().t())
-        if fused:
-            out = fma_f32(part.float(), a_scale[:, j : j + 1], out)
-        else:
-            out = out + part.float() * a_scale[:, j : j + 1]
+        out = fma_f32(part.float(), a_scale[:, j : j + 1], out)
     return out.to(out_dtype)
 
 

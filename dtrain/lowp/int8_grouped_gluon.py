@@ -4,7 +4,8 @@ runs while the other's MMA does.
     launch(a, b, a_scale, out): the Triton kernels' computation and bits (dtrain/lowp/
     int8_grouped_triton.py: a (M, K) int8 row-major, b (K, N) int8 column-major, a_scale
     (M, groups) fp32; out (M, N) = the sum over the groups j, in order, of
-    float32(a[:, j] @ b[j]) * a_scale[:, j], in fp32), for operands TMA can read.
+    float32(a[:, j] @ b[j]) * a_scale[:, j], each group's scale-and-add one fused
+    multiply-add in fp32), for operands TMA can read.
 
 Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, bench/results/
 2026-12-02-gpu-s30/). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
@@ -14,8 +15,8 @@ in one warpgroup does not help: ptxas serialises every wgmma when other instruct
 accumulator while one is in flight (its note C7514; docs/precision.md).
 
 So here the warps are split (Gluon's `warp_specialize`) into partitions that share only
-mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile (or three
-on 192 rows: measured slower), and one producer warp issuing the TMA loads into
+mbarriers: two consumer warpgroups, each on one 64-row half of a 128-row output tile, and one
+producer warp issuing the TMA loads into
 NUM_BUFFERS shared-memory stages. A consumer's step is four chained wgmmas over one group and
 128 columns (a 256-wide tile takes two steps a group), a wait for them, and the promotion;
 after a group's last step it releases the stage. The consumers take turns issuing (`turn`
@@ -29,8 +30,12 @@ Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portabl
 tile; on model=1b's and 8b's grad-weights 1.08-1.38x cuBLAS's bf16 and 1.27-1.81x the Triton
 kernel (the 256-wide tile, 4 stages: 0.424 ms for 1b's w1 against 0.574 and 0.591), 830-930
 TOP/s where the default int8 GEMM (one int32 sum) runs at 1,150-1,240. The exact magic-number
-int32-to-fp32 conversion in place of cvt was 8-12% slower here (call 4): the
-promotion is bound by issuing instructions, not by cvt's rate. Compiled for sm_90a on CPU in
+int32-to-fp32 conversion in place of cvt was 8-12% slower here (call 4); the promotion as one
+fused multiply-add (two instructions a value instead of a multiply and an add rounded apart,
+three) 7-11% faster at every 1b and 8b grad-weight (2026-12-02-gpu-s32/), so it is the
+arithmetic here and in the portable path; three consumers on 192 rows (each promotion hidden
+behind two others' MMAs) were slower at every grad-weight (1b w1 0.441 ms against 0.426): the
+promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for sm_90a on CPU in
 tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas chained four to
 a wait in each consumer, nothing spilled. It runs wherever it applies (int8_grouped_triton.
 gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for Hopper), unless
@@ -57,101 +62,68 @@ from dtrain.lowp.int8_grouped import GROUP
 # async_load (where the old name raises).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS), the first the one training runs. BLOCK_M is 64 rows a
-# consumer warpgroup: 128 (two) or 192 (three), BLOCK_K the group. A consumer holds its fp32
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS), the first the one training runs. BLOCK_M is 64 rows for each
+# of the two consumer warpgroups, BLOCK_K the group. A consumer holds its fp32
 # sums (64 registers a thread per 128 columns) and one step's int32 sum of 128 columns (64): at
 # BLOCK_N 256 it takes a group in two steps, as the int32 sums of 256 columns would not fit
 # beside the fp32 ones in the 232 registers a consumer is given. (BLOCK_M + BLOCK_N) * 128 bytes
 # of shared memory a stage. 128 x 256 with 4 stages was the fastest at each of 1b's and 8b's
 # grad-weights, 8-10% faster than 128 wide (the B tile is read once for twice the outputs); 3
-# stages within 2% (bench/results/2026-12-02-gpu-s31/call3_tiles256). 192 x 128, three
-# consumers (each promotion hidden behind two others' MMAs), was slower at every grad-weight
-# (1b w1: 0.441 ms against 0.426; q,o 0.215 against 0.147; bench/results/2026-12-02-gpu-s32/
-# call1_tests_gemms_runs): the promotion's latency is not the bound; FMA=True, two
-# instructions a value instead of three, was 7-11% faster: its issue is.
-TILES = [(128, 256, 4), (128, 256, 3), (128, 128, 4), (192, 128, 4)]
+# stages within 2% (bench/results/2026-12-02-gpu-s31/call3_tiles256).
+TILES = [(128, 256, 4), (128, 256, 3), (128, 128, 4)]
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's rows: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step
 _CHUNK_N = gl.constexpr(128)  # a consumer's columns a step
 _GROUP_M = 8
-# Registers a thread of each worker partition (setmaxnreg): the other consumers, the producer.
-# Two consumers: the launch caps a thread at 168 (65,536 over 384 threads: Triton pads the
-# producer's warp to a warpgroup), setmaxnreg moves them to the consumers. Three: 128 at launch
-# (512 threads), 160 for each consumer, 24 for the producer. Nothing spills (the compile test).
+# Registers a thread of each worker partition (setmaxnreg): the other consumer, the producer.
+# The launch caps a thread at 168 (65,536 over 384 threads: Triton pads the producer's warp to
+# a warpgroup), setmaxnreg moves them to the consumers. Nothing spills (the compile test).
 _WORKER_REGS = gl.constexpr([232, 40])
-_WORKER_REGS_3 = gl.constexpr([160, 160, 24])
+_CONSUMERS = gl.constexpr(2)  # warpgroups of 64 rows each, taking turns
+_WORKER_REGS = gl.constexpr([232, 40])
 
 
 @gluon.jit
-def _promote_add(acc, part, s, FMA: gl.constexpr):
-    # acc + float32(part) * s, the multiply and the add each rounded to nearest as eager's
-    # `out + part.float() * s` (no fused multiply-add, no flush to zero): the bits of the
-    # portable path and of the Triton kernels (int8_grouped_triton._scaled_add). FMA: one fused
-    # multiply-add, rounded once (int8_grouped.grouped_int_mm's `fused`), two instructions a
-    # value instead of three: the experiment on whether the promotion's issue bounds the kernel.
-    if FMA:
-        return gl.inline_asm_elementwise(
-            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part.to(gl.float32), s, acc],
-            dtype=gl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-    prod = gl.inline_asm_elementwise(
-        "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part.to(gl.float32), s], dtype=gl.float32,
-        is_pure=True, pack=1,
-    )  # fmt: skip
+def _promote_add(acc, part, s):
+    # acc + float32(part) * s as one fused multiply-add, rounded once to nearest with no flush
+    # to zero: the bits of the portable path (int8_grouped.grouped_int_mm, on fma_f32) and of
+    # the Triton kernels (int8_grouped_triton._scaled_add). PTX's explicit form: the compiler
+    # neither splits it nor flushes it.
     return gl.inline_asm_elementwise(
-        "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=gl.float32, is_pure=True, pack=1
-    )
+        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part.to(gl.float32), s, acc],
+        dtype=gl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles):
     """One warp: group k's tiles of a (BLOCK_M, GROUP) and b (BLOCK_N, GROUP) into stage
-    k % NUM_BUFFERS once every consumer has released it (TMA fills past the edges with 0).
-    Three consumers' a comes in three (64, GROUP) boxes, one a consumer (_a_stage)."""
+    k % NUM_BUFFERS once both consumers have released it (TMA fills past the edges with 0)."""
     NUM_BUFFERS: gl.constexpr = b_bufs.shape[0]
-    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS  # 1, or 3: one a consumer
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(empty.index(index), (k // NUM_BUFFERS) & 1)
         bar = ready.index(index)
-        if BOXES == 1:
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
-        else:
-            mbarrier.expect(bar, BOXES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            for c in gl.static_range(BOXES):
-                row = off_m + c * _ROWS
-                _tma_load(a_desc, [row, k * _GROUP], bar, a_bufs.index(index * BOXES + c))
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [off_m, k * _GROUP], bar, a_bufs.index(index))
         _tma_load(b_desc, [off_n, k * _GROUP], bar, b_bufs.index(index))
 
 
 @gluon.jit
-def _a_stage(a_bufs, index, INDEX: gl.constexpr, NUM_BUFFERS: gl.constexpr):
-    """Consumer INDEX's (64, GROUP) rows of a in stage `index`: a slice of the stage's
-    (128, GROUP) box (two consumers) or its own box (three: a TMA box's sides are powers of
-    two, so not one (192, GROUP) box)."""
-    BOXES: gl.constexpr = a_bufs.shape[0] // NUM_BUFFERS
-    if BOXES == 1:
-        return a_bufs.index(index).slice(INDEX * _ROWS, _ROWS)
-    else:
-        return a_bufs.index(index * BOXES + INDEX)
-
-
-@gluon.jit
-def _issue(a, b, zero, turn, INDEX: gl.constexpr, CONSUMERS: gl.constexpr, step):
+def _issue(a, b, zero, turn, INDEX: gl.constexpr, step):
     """This consumer's wgmmas of one step (a chunk of a group), when its turn comes; then the
-    next consumer's turn. Step s of consumer c waits for phase s of turn[c]: arrived by
-    consumer c - 1 after its step s (by the last consumer after its step s - 1, for c = 0)."""
+    other consumer's turn. Step s of consumer 1 waits for phase s of turn[1]: arrived by
+    consumer 0 after its step s; consumer 0's step s for turn[0], arrived by consumer 1 after
+    its step s - 1."""
     mbarrier.wait(turn.index(INDEX), step & 1)
     part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index((INDEX + 1) % CONSUMERS), count=1)
+    mbarrier.arrive(turn.index((INDEX + 1) % _CONSUMERS), count=1)
     return part
 
 
 @gluon.jit
 def _consumer(
     INDEX: gl.constexpr,
-    CONSUMERS: gl.constexpr,
     a_bufs,
     b_bufs,
     ready,
@@ -168,7 +140,6 @@ def _consumer(
     stride_cn,
     stride_sm,
     stride_sg,
-    FMA: gl.constexpr,
 ):
     """One warpgroup: rows off_m + 64 * INDEX onwards of the tile, group by group, each group in
     CHUNKS steps of _CHUNK_N columns (a BLOCK_N of 256 is two: its int32 sums would not fit
@@ -190,21 +161,21 @@ def _consumer(
     for k in range(k_tiles):
         index = k % NUM_BUFFERS
         mbarrier.wait(ready.index(index), (k // NUM_BUFFERS) & 1)
-        a = _a_stage(a_bufs, index, INDEX, NUM_BUFFERS)  # (64, GROUP)
+        a = a_bufs.index(index).slice(INDEX * ROWS, ROWS)  # (64, GROUP): this consumer's half
         b = b_bufs.index(index)  # (BLOCK_N, GROUP): its chunks transposed are K-major
         b0 = b.slice(0, CHUNK_N).permute((1, 0))
-        part = _issue(a, b0, zero, turn, INDEX, CONSUMERS, k * CHUNKS)
+        part = _issue(a, b0, zero, turn, INDEX, k * CHUNKS)
         s = gl.expand_dims(gl.load(s_ptrs + k * stride_sg), 1)  # while the wgmmas run
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if CHUNKS == 1:
             mbarrier.arrive(empty.index(index), count=1)  # this consumer is done with the stage
-        acc0 = _promote_add(acc0, part, s, FMA)
+        acc0 = _promote_add(acc0, part, s)
         if CHUNKS == 2:
             b1 = b.slice(CHUNK_N, CHUNK_N).permute((1, 0))
-            part = _issue(a, b1, zero, turn, INDEX, CONSUMERS, k * CHUNKS + 1)
+            part = _issue(a, b1, zero, turn, INDEX, k * CHUNKS + 1)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(index), count=1)
-            acc1 = _promote_add(acc1, part, s, FMA)
+            acc1 = _promote_add(acc1, part, s)
     _store(acc0, c_ptr, rows, off_n, M, N, stride_cm, stride_cn, mma)
     if CHUNKS == 2:
         _store(acc1, c_ptr, rows, off_n + CHUNK_N, M, N, stride_cm, stride_cn, mma)
@@ -233,12 +204,10 @@ def _int8_mm_grouped_kernel(
     stride_sg,
     GROUP_M: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
-    FMA: gl.constexpr,
-    CONSUMERS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = CONSUMERS * _ROWS
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # a's tiles are (BLOCK_M, GROUP)
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # b's tiles are (BLOCK_N, GROUP)
-    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumers")
+    gl.static_assert(BLOCK_M == _CONSUMERS * _ROWS, "64 rows a consumer")
     gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
 
     # the output tile, grouped in GROUP_M rows of tiles (int8_triton._grouped_tile's order)
@@ -250,72 +219,49 @@ def _int8_mm_grouped_kernel(
     off_m = (first_m + (pid % width) % rows_here) * BLOCK_M
     off_n = ((pid % width) // rows_here) * BLOCK_N
 
-    # a's stages: one (128, GROUP) box each for two consumers; for three, a (64, GROUP) box a
-    # consumer (the descriptor's box: a TMA box's sides are powers of two)
-    BOXES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
-    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
-    gl.static_assert(A_ROWS == (BLOCK_M if CONSUMERS == 2 else _ROWS), "a's TMA box")
-    a_bufs = gl.allocate_shared_memory(
-        gl.int8, [NUM_BUFFERS * BOXES, A_ROWS, _GROUP], a_desc.layout
-    )
+    a_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_M, _GROUP], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.int8, [NUM_BUFFERS, BLOCK_N, _GROUP], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrive from each consumer
-        mbarrier.arrive(empty.index(i), count=CONSUMERS)  # every stage starts free
+        mbarrier.init(empty.index(i), count=_CONSUMERS)  # one arrive from each consumer
+        mbarrier.arrive(empty.index(i), count=_CONSUMERS)  # every stage starts free
     # turn[c]: consumer c may issue its next step's wgmmas (phase s: its step s), arrived by the
-    # consumer before it once that has issued; consumer 0 goes first
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+    # other once that has issued; consumer 0 goes first
+    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.arrive(turn.index(0), count=1)
 
     k_tiles = gl.cdiv(K, _GROUP)
     common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, s_ptr, off_m, off_n, M, N, k_tiles)
-    common += (stride_cm, stride_cn, stride_sm, stride_sg, FMA)
+    common += (stride_cm, stride_cn, stride_sm, stride_sg)
     loads = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles)
-    if CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (gl.constexpr(0), CONSUMERS) + common),  # the default partition
-                (_consumer, (gl.constexpr(1), CONSUMERS) + common),
-                (_producer, loads),
-            ],
-            [4, 1],
-            _WORKER_REGS,
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (gl.constexpr(0), CONSUMERS) + common),
-                (_consumer, (gl.constexpr(1), CONSUMERS) + common),
-                (_consumer, (gl.constexpr(2), CONSUMERS) + common),
-                (_producer, loads),
-            ],
-            [4, 4, 1],
-            _WORKER_REGS_3,
-        )
+    gl.warp_specialize(
+        [
+            (_consumer, (gl.constexpr(0),) + common),  # the default partition
+            (_consumer, (gl.constexpr(1),) + common),
+            (_producer, loads),
+        ],
+        [4, 1],
+        _WORKER_REGS,
+    )
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int):
     """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
-    row-major: boxes (block_m, GROUP), or (64, GROUP) for three consumers' 192 rows (a box a
-    consumer), and (block_n, GROUP), both K-major as int8 wgmma reads."""
+    row-major: boxes (block_m, GROUP) and (block_n, GROUP), both K-major as int8 wgmma reads."""
     bt = b.t()
-    box_m = block_m if block_m == 128 else 64
-    a_layout = gl.NVMMASharedLayout.get_default_for([box_m, GROUP], gl.int8)
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.int8)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, GROUP], gl.int8)
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [box_m, GROUP], a_layout)
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, GROUP], a_layout)
     b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, GROUP], b_layout)
     return a_desc, b_desc
 
 
-def launch(a, b, a_scale, out, tile: tuple = TILES[0], fma: bool = False) -> None:
-    """The grouped GEMM into `out` with `tile` = (BLOCK_M, BLOCK_N, NUM_BUFFERS); `fma`: each
-    group's scale-and-add fused (int8_grouped.grouped_int_mm's `fused`; not what training
-    runs)."""
+def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
+    """The grouped GEMM into `out` with `tile` = (BLOCK_M, BLOCK_N, NUM_BUFFERS)."""
     if tuple(tile) not in TILES:  # each compiled without spills in the compile test
         raise ValueError(f"int8_grouped_gluon.launch: tile {tile} is not one of {TILES}")
     m, k = a.shape
@@ -326,7 +272,6 @@ def launch(a, b, a_scale, out, tile: tuple = TILES[0], fma: bool = False) -> Non
     with torch.cuda.device(a.device):
         _int8_mm_grouped_kernel[grid](
             a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1),
-            a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers, FMA=fma,
-            CONSUMERS=block_m // 64,
+            a_scale.stride(0), a_scale.stride(1), GROUP_M=_GROUP_M, NUM_BUFFERS=buffers,
             num_warps=4,  # the default partition's: consumer 0
         )  # fmt: skip

@@ -9,8 +9,8 @@ GEMM, and the quantize of its output gradient.
         with j the reduction's groups of 128. Each program's K loop takes one group a step:
         an int32 wgmma product of the group, promoted to fp32, scaled per row and added to an
         fp32 accumulator, so no int32 sum spans two scales and nothing reaches memory but the
-        result. The multiply and the add are rounded apart (no fused multiply-add), as the
-        portable `grouped_int_mm` computes them: the result is its bits.
+        result. Each group's scale-and-add is one fused multiply-add, rounded once, as the
+        portable `grouped_int_mm` computes it: the result is its bits.
 
     quantize_groups(g, token_scale) (the op dtrain::int8_quantize_groups)
         int8_grouped.quantize_groups in one pass, the same bits: g (M, N) times the per-token
@@ -87,23 +87,22 @@ if INTERPRET:
 
     @triton.jit
     def _scaled_add(acc, part, s):
-        return acc + part * s  # numpy: each operation rounded, no fused multiply-add
+        return tl.fma(part, s, acc)  # the interpreter's fma rounds once (its fma_fp32)
 
 else:
 
     @triton.jit
     def _scaled_add(acc, part, s):
-        # Rounded apart, as eager's `out + part * s`: the compiler would contract a plain
-        # multiply and add into one fused multiply-add (one rounding, other bits), and
-        # libdevice's mul_rn/add_rn compile to flush-to-zero forms (.ftz), which eager's CUDA
-        # kernels are not. PTX's explicit .rn forms are neither contracted nor flushed.
+        # acc + part * s as one fused multiply-add, rounded once, as the portable path's
+        # fma_f32 and the Gluon kernel compute it. PTX's explicit fma.rn.f32: libdevice's and
+        # tl.fma's forms may be compiled to flush-to-zero (.ftz), which eager's fp32 is not.
+        # One rounding, two instructions a value where a multiply and an add rounded apart
+        # take three: 7-11% faster in the Gluon kernel (bench/results/2026-12-02-gpu-s32/).
         s = tl.broadcast_to(s, part.shape)
-        prod = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [part, s], dtype=tl.float32, is_pure=True, pack=1
-        )
         return tl.inline_asm_elementwise(
-            "add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, prod], dtype=tl.float32, is_pure=True, pack=1
-        )
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part, s, acc], dtype=tl.float32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
 
 
 @triton.jit
