@@ -18,12 +18,12 @@ group of GROUP consecutive tokens, the fine-grained scaling DeepSeek-V3 gives it
 
 Each group's integer sum is exact (at most 128 * 127^2 < 2^24, so exact in fp32 too); it is
 scaled and added to an fp32 accumulator group by group, the multiply and the add one fused
-multiply-add rounded once (`fma_f32` here, fma.rn.f32 in the kernels): two instructions a
-value in the GEMM's promotion where rounding them apart takes three, which made the Gluon
-kernel 7-11% faster (bench/results/2026-12-02-gpu-s32/), and one rounding, not two. A loud token now flattens only its own
-group's 127 neighbours. The GEMM reads gq with the tokens contiguous and xq column-major (both
-operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once per layer, as in
-the "int8" mode.
+multiply-add rounded once (`fma_f32` here, fma.rn.f32 in the kernels): two instructions a value
+in the GEMM's promotion where rounding them apart takes three, which made the Gluon kernel 7-11%
+faster (bench/results/2026-12-02-gpu-s32/), and one rounding, not two. A loud token now flattens
+only its own group's 127 neighbours. The GEMM reads gq with the tokens contiguous and xq
+column-major (both operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once
+per layer, as in the "int8" mode.
 
 Two implementations, the same numbers (the same fp32 operations in the same order):
 dtrain/lowp/int8_grouped_triton.py (Triton kernels: the GEMM with the promotion in its K loop,

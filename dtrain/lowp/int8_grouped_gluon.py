@@ -35,11 +35,11 @@ fused multiply-add (two instructions a value instead of a multiply and an add ro
 three) 7-11% faster at every 1b and 8b grad-weight (2026-12-02-gpu-s32/), so it is the
 arithmetic here and in the portable path; three consumers on 192 rows (each promotion hidden
 behind two others' MMAs) were slower at every grad-weight (1b w1 0.441 ms against 0.426): the
-promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for sm_90a on CPU in
-tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas chained four to
-a wait in each consumer, nothing spilled. It runs wherever it applies (int8_grouped_triton.
-gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for Hopper), unless
-DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
+promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for
+sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas
+chained four to a wait in each consumer, nothing spilled. It runs wherever it applies
+(int8_grouped_triton. gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
+Hopper), unless DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
 """
 
 from __future__ import annotations
