@@ -38,7 +38,7 @@ behind two others' MMAs) were slower at every grad-weight (1b w1 0.441 ms agains
 promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for
 sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas
 chained four to a wait in each consumer, nothing spilled. It runs wherever it applies
-(int8_grouped_triton. gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
+(int8_grouped_triton.gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
 Hopper), unless DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
 """
 
