@@ -756,10 +756,11 @@ def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
     """precision.int8_grad_weight=int8 runs all three block matmuls at the int8 rate, SwitchBack's
     bf16 (the default) two of them; int8_grouped's grad-weight GEMM at the bf16 rate times what
     its kernel measured against cuBLAS's bf16, plus its operands' quantizes in groups. Planned
-    against the grouped and the default run of one call, for each of its two kernels (1b, one
-    H200): the Gluon kernel's 128-wide tile, 1.20x bf16 (bench/results/2026-12-02-gpu-s31/
-    call2_runs: 63,265 over 64,082 tokens/s) and the Triton kernel, 0.946x (2026-12-02-gpu-s30/
-    call5_runs: 60,616 over 64,286), each ratio within 1%."""
+    against the grouped and the default run of one call, for each of its kernels (1b, one H200):
+    the Gluon kernel with its fused multiply-add, 1.47x bf16 (bench/results/2026-12-03-gpu-s33/
+    call1_tests_gemms_runs: 66,957 over 65,763 tokens/s), its 128-wide tile before that, 1.20x
+    (2026-12-02-gpu-s31/call2_runs: 63,265 over 64,082) and the Triton kernel, 0.946x
+    (2026-12-02-gpu-s30/call5_runs: 60,616 over 64,286), each ratio within 1%."""
     machine = datasheet_machine(GPUS["h200-141gb"])
     shape = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")
 
@@ -771,13 +772,13 @@ def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
     times = {mode: plan(mode)[0] for mode in ("bf16", "int8")}
     assert times["int8"] < times["bf16"]
     default = plan("bf16")[1]
+    assert plan("int8_grouped")[1] / default == pytest.approx(66_957 / 65_763, abs=0.01)
     for rate, measured in ((1.202, 63_265 / 64_082), (0.946, 60_616 / 64_286)):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(sp, "GROUPED_GRAD_WEIGHT_VS_BF16", rate)
             assert plan("int8_grouped")[1] / default == pytest.approx(measured, abs=0.01)
-    # the default tile (256 wide, 1.30x) about as fast as the default mode; without the
-    # quantizes' passes the grouped mode would be planned 4% faster than the default
-    assert plan("int8_grouped")[1] / default == pytest.approx(1.0, abs=0.01)
+    # without the quantizes' passes the grouped mode would be planned 7% faster than the
+    # default, 5% above what it measured: the passes are what the fit needs
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sp, "GROUPED_CAST_PASSES", 0.0)
-        assert plan("int8_grouped")[1] / default > 1.04
+        assert plan("int8_grouped")[1] / default > 1.07
