@@ -178,7 +178,7 @@ def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(m
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_grouped_gemm_is_int8_wgmma_without_spills_or_fused_multiply_adds(monkeypatch):
+def test_grouped_gemm_is_int8_wgmma_without_spills_with_one_fused_multiply_add(monkeypatch):
     """The grouped grad-weight GEMMs (pointer loads, and persistent with TMA loads) compiled for
     sm_90a as training launches them (both operands K-major, fp32 out): the int8 dot is Hopper's
     wgmma (s32 += s8 x s8), every tile autotuning may choose spills no registers to local

@@ -34,14 +34,13 @@ DTRAIN_INT8_QUANTIZE keeps the output gradients' apart (its default), else the t
 which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries of dy (about
 370 MB each for 1b's w1 at 16,384 tokens).
 
-Speed, measured (1x H200): the Triton GEMM runs at 0.86-1.00x cuBLAS's bf16 on 1b's
-grad-weights, since each group's promotion waits for its wgmma and the next wgmma for the
-promotion (bench/results/2026-12-02-gpu-s30/: this mode 1.028x bf16 in training, the default's
-SwitchBack bf16 grad-weight 1.090x). On Hopper the Gluon GEMM (dtrain/lowp/
-int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.08-1.38x, and the mode at about
-the default's speed (2026-12-02-gpu-s31/: 1.070-1.074x against 1.084x). It is the accurate
-all-int8 option, not yet the fast one (docs/precision.md).
-
+Speed, measured (1x H200, bench/results/2026-12-03-gpu-s33/, with the fused multiply-add): the
+Triton GEMM runs at 0.98-1.18x cuBLAS's bf16 on 1b's and 8b's grad-weights, since each group's
+promotion waits for its wgmma and the next wgmma for the promotion. On Hopper the Gluon GEMM
+(dtrain/lowp/int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.47x over 1b's block,
+and the mode at 1.107x bf16 in training against the default's 1.087x: the GEMM saves about 15 ms
+a step, the group quantize of dy spends 14 of them again. It stays an option, not the default,
+for its loss at 350m (+4.0% and +2.5% on one seed of two; docs/precision.md).
 """
 
 from __future__ import annotations

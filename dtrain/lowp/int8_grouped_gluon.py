@@ -80,7 +80,6 @@ _GROUP_M = 8
 # a warpgroup), setmaxnreg moves them to the consumers. Nothing spills (the compile test).
 _WORKER_REGS = gl.constexpr([232, 40])
 _CONSUMERS = gl.constexpr(2)  # warpgroups of 64 rows each, taking turns
-_WORKER_REGS = gl.constexpr([232, 40])
 
 
 @gluon.jit
