@@ -1,0 +1,54 @@
+"""bench/dy_quantize.py's Triton kernels: the roof and the tile-local quantize, and the multiply in
+place of the quantize's division. Defined here, not in dtrain, since they exist to be measured;
+a module of their own so that they are defined after TRITON_INTERPRET is set (--smoke)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dtrain.lowp.int8_triton import _rint, row_scales
+
+
+@triton.jit
+def _codes(v, scale, MUL: tl.constexpr):
+    s = tl.broadcast_to(scale[:, None], v.shape)
+    if MUL:
+        y = _rint(v * (1.0 / s))
+    else:
+        y = _rint(tl.math.div_rn(v, s))
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def tile_kernel(
+    g_ptr, q_ptr, qt_ptr, M, N,
+    ROUND: tl.constexpr, MUL: tl.constexpr, BOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One (BLOCK_M, BLOCK_N) tile of dy: int8 row-major, and transposed where BOTH; with ROUND
+    # the codes over each row's and each column's in-tile abs-max, else a plain cast.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    g = tl.load(g_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROUND:
+        q = _codes(g, row_scales(tl.max(tl.abs(g), axis=1)), MUL)
+    else:
+        q = g.to(tl.int8)
+    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=ok)
+    if BOTH:
+        gt = tl.trans(g)
+        if ROUND:
+            qt = _codes(gt, row_scales(tl.max(tl.abs(gt), axis=1)), MUL)
+        else:
+            qt = gt.to(tl.int8)
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], qt, mask=tl.trans(ok))
+
+
+@triton.jit
+def quantize_values_mul(v, scale):
+    """int8_triton.quantize_values with a multiply by the reciprocal for its IEEE division."""
+    y = _rint(v * (1.0 / tl.broadcast_to(scale[:, None], v.shape)))
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
