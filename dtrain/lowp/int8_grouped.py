@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtrain.lowp.int8 import INV_QMAX, QMAX, _triton_applies, int_mm
+from dtrain.lowp.int8 import INV_QMAX, _triton_applies, codes, int_mm
 
 # Tokens per scale: the GEMM's BLOCK_K, so each K step of its loop is one group.
 GROUP = 128
@@ -63,14 +63,14 @@ def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
     """g (M, N), token_scale (M, 1) -> gq (N, M) int8 row-major, scales (N, ceil(M / GROUP))
     fp32 (a transposed view): g * token_scale quantized per column per GROUP rows, transposed
     (tokens contiguous).
-    The arithmetic is int8.quantize_rowwise's: abs-max * fp32(1/127), an IEEE division, round
-    half to even, clamp to [-127, 127]."""
+    The arithmetic is int8.quantize_rowwise's: abs-max * fp32(1/127), then int8.codes (times
+    the scale's reciprocal, round half to even, clamp to [-127, 127])."""
     m, n = g.shape
     v = g.float() * token_scale.reshape(-1, 1)
     groups = group_count(m)
     v = F.pad(v, (0, 0, 0, groups * GROUP - m)).view(groups, GROUP, n)  # zeros: codes of 0
     scale = v.abs().amax(dim=1).clamp_min(1e-12) * INV_QMAX  # (groups, N)
-    q = (v / scale[:, None, :]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    q = codes(v, scale[:, None, :])
     q = q.view(groups * GROUP, n)[:m]
     # The scales as a transposed view, (N, groups) with strides (1, N): the GEMM loads one
     # group's scales for a tile of rows each K step, contiguous in memory this way.

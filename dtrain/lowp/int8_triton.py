@@ -18,8 +18,9 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
     quantize_rowwise(x, col_scale)
         x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
-        of each row / 127, then round-half-to-even and clamp to [-127, 127], in IEEE fp32 as
-        `dtrain.lowp.int8.quantize_rowwise` computes them (bitwise equal results). On a GPU,
+        of each row / 127, then each value times the scale's reciprocal, rounded half to even
+        and clamped to [-127, 127], in IEEE fp32 as `dtrain.lowp.int8.quantize_rowwise`
+        computes them (bitwise equal results). On a GPU,
         rows contiguous in memory take the tile autotuning chooses per shape (QUANTIZE_TILES):
         one pass (the row one tile, loaded once) or two sweeps (loaded twice, the second
         mostly from L2).
@@ -607,10 +608,11 @@ def row_scales(amax):
 
 @triton.jit
 def quantize_values(v, scale):
-    """v (BLOCK_R, BLOCK_C) fp32 over its rows' scales (BLOCK_R,): int8 values, rounded half to
-    even and clamped, with IEEE division (Triton's `/` on fp32 is the approximate div.full), as
-    eager's x / scale."""
-    y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)))
+    """v (BLOCK_R, BLOCK_C) fp32 over its rows' scales (BLOCK_R,): int8 values, as int8.codes
+    computes them: v times the row's reciprocal (one IEEE division a row: Triton's `/` on fp32
+    is the approximate div.full), rounded half to even and clamped."""
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    y = _rint(v * tl.broadcast_to(inv[:, None], v.shape))
     return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
 
 
