@@ -5,9 +5,12 @@ GPU (issue 16): dy is quantized per token over its channels for the grad-input G
 would save, and what bounds it:
 
     apart       the two ops as training runs them (autotuned), and each alone
-    apart, mul  the same ops with each code's IEEE division replaced by a multiply by the
-                reciprocal (a second process, patched before anything compiles): whether the
-                division bounds them (codes may differ by one)
+    apart, mul  the same ops with int8_triton.quantize_values patched (a second process,
+                before anything compiles) to multiply each value by Triton's approximate
+                reciprocal of its scale (`1.0 / s`, div.full, one a value; codes may differ by
+                one). Measured first against the IEEE division a value that the ops had then
+                (bench/results/2026-12-03-gpu-s34/call1_dyq/); since, the ops take one IEEE
+                reciprocal a scale (int8.codes), and this is what that exactness costs
     roof        a tile kernel that reads dy once and writes int8 with no rounding: row-major
                 only (one op's bytes), or row-major and transposed (both ops' bytes)
     local       the same tile kernel quantizing both ways inside its 128 x 128 tile (one scale
@@ -15,7 +18,7 @@ would save, and what bounds it:
                 what a grad-input GEMM taking scales per 128 channels would allow; with the
                 division, and with the multiply
 
-    python bench/dy_quantize.py --out $OUT          # a GPU; ~1 min
+    python bench/dy_quantize.py --out $OUT          # a GPU; ~1 min, times from CUDA-graph replays
     python bench/dy_quantize.py --out /tmp/x --smoke   # CPU, Triton's interpreter: checks only
 
 The ops are checked bit for bit against the portable torch ops before they are timed. Writes
@@ -93,9 +96,12 @@ def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]
     if mul:  # before anything compiles: the kernels look the helper up when they do
         it.quantize_values = igt.quantize_values = quantize_values_mul
     if device == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench_cudagraph
 
-        timer = lambda fn: do_bench(fn, warmup=10, rep=50)  # noqa: E731  (median ms, L2 flushed)
+        # Replays of a CUDA graph of many calls: the kernels' time without the host's dispatch
+        # of the custom op and its autotuner (0.05-0.1 ms a call, which do_bench adds to a
+        # 0.03-0.1 ms kernel; in training the host runs ahead and only the kernels count).
+        timer = lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median")  # noqa: E731
     else:
 
         def timer(fn):
@@ -143,7 +149,7 @@ def markdown(rows: list[dict], mul_rows: list[dict], meta: dict) -> str:
         "",
         f"Device: {meta['name']}; torch {meta['torch']}; triton {meta['triton']}",
         "",
-        "ms a call (do_bench, L2 flushed). TB/s: apart counts dy read twice and written twice "
+        "ms a call (median of CUDA-graph replays: kernel time, no host dispatch). TB/s: apart counts dy read twice and written twice "
         "as int8; roof and local count one read and two writes.",
         "",
         "| dy | M x N | row-wise op | groups op | apart | apart TB/s | apart, mul "
