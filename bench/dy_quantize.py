@@ -85,13 +85,9 @@ def _differ(got, want) -> int:
 
 def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]:
     """Times each shape's variants; with `mul`, only the ops, their division patched out."""
-    import torch
-
     tile, quantize_values_mul = _kernels()
-    from dtrain.lowp import int8_grouped as ig
     from dtrain.lowp import int8_grouped_triton as igt
     from dtrain.lowp import int8_triton as it
-    from dtrain.lowp.int8 import quantize_rowwise
 
     if mul:  # before anything compiles: the kernels look the helper up when they do
         it.quantize_values = igt.quantize_values = quantize_values_mul
@@ -111,35 +107,52 @@ def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]
 
     rows = []
     for name, (m, n) in shapes.items():
-        gen = torch.Generator(device=device).manual_seed(0)
-        g = (torch.randn((m, n), generator=gen, device=device) * 1e-3).to(torch.bfloat16)
-        ts = torch.rand((m, 1), generator=gen, device=device) + 0.5
-        want = (*quantize_rowwise(g), *ig.quantize_groups(g, ts))
-        rowwise = lambda: it.quantize_rowwise(g, None)  # noqa: E731
-        groups = lambda: igt.quantize_groups(g, ts)  # noqa: E731
-        diff = _differ((*rowwise(), *groups()), want)
-        if diff > (1 if mul else 0):
-            raise AssertionError(f"{name}: the ops differ from the torch ops by {diff}")
-        row = {"shape": name, "M": m, "N": n, "mul": mul, "ops_max_code_diff": diff}
-        row["rowwise_ms"] = timer(rowwise)
-        row["groups_ms"] = timer(groups)
-        row["apart_ms"] = timer(lambda: (rowwise(), groups()))
-        if not mul:
-            for key, kw in {
-                "roof_rows_ms": dict(round_=False, mul=False, both=False),
-                "roof_both_ms": dict(round_=False, mul=False, both=True),
-                "local_div_ms": dict(round_=True, mul=False, both=True),
-                "local_mul_ms": dict(round_=True, mul=True, both=True),
-            }.items():
-                row[key] = timer(lambda kw=kw: _tile(tile, g, interpret=interpret, **kw))
-            # TB/s with dy read once and two int8 codes written (the scales aside)
-            both_bytes = m * n * (g.element_size() + 2)
-            row["roof_both_tb_s"] = both_bytes / row["roof_both_ms"] / 1e9
-            row["local_div_tb_s"] = both_bytes / row["local_div_ms"] / 1e9
-            row["apart_tb_s"] = 2 * m * n * (g.element_size() + 1) / row["apart_ms"] / 1e9
+        row = _measure_shape(name, m, n, device, interpret, mul, timer, tile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _measure_shape(name, m, n, device, interpret, mul, timer, tile) -> dict:
+    import torch
+
+    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.int8 import quantize_rowwise
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = (torch.randn((m, n), generator=gen, device=device) * 1e-3).to(torch.bfloat16)
+    ts = torch.rand((m, 1), generator=gen, device=device) + 0.5
+    want = (*quantize_rowwise(g), *ig.quantize_groups(g, ts))
+
+    def rowwise():
+        return it.quantize_rowwise(g, None)
+
+    def groups():
+        return igt.quantize_groups(g, ts)
+
+    diff = _differ((*rowwise(), *groups()), want)
+    if diff > (1 if mul else 0):
+        raise AssertionError(f"{name}: the ops differ from the torch ops by {diff}")
+    row = {"shape": name, "M": m, "N": n, "mul": mul, "ops_max_code_diff": diff}
+    row["rowwise_ms"] = timer(rowwise)
+    row["groups_ms"] = timer(groups)
+    row["apart_ms"] = timer(lambda: (rowwise(), groups()))
+    if not mul:
+        for key, kw in {
+            "roof_rows_ms": dict(round_=False, mul=False, both=False),
+            "roof_both_ms": dict(round_=False, mul=False, both=True),
+            "local_div_ms": dict(round_=True, mul=False, both=True),
+            "local_mul_ms": dict(round_=True, mul=True, both=True),
+        }.items():
+            row[key] = timer(lambda kw=kw: _tile(tile, g, interpret=interpret, **kw))
+        # TB/s with dy read once and two int8 codes written (the scales aside)
+        both_bytes = m * n * (g.element_size() + 2)
+        row["roof_both_tb_s"] = both_bytes / row["roof_both_ms"] / 1e9
+        row["local_div_tb_s"] = both_bytes / row["local_div_ms"] / 1e9
+        row["apart_tb_s"] = 2 * m * n * (g.element_size() + 1) / row["apart_ms"] / 1e9
+    return row
 
 
 def markdown(rows: list[dict], mul_rows: list[dict], meta: dict) -> str:
@@ -149,8 +162,9 @@ def markdown(rows: list[dict], mul_rows: list[dict], meta: dict) -> str:
         "",
         f"Device: {meta['name']}; torch {meta['torch']}; triton {meta['triton']}",
         "",
-        "ms a call (median of CUDA-graph replays: kernel time, no host dispatch). TB/s: apart counts dy read twice and written twice "
-        "as int8; roof and local count one read and two writes.",
+        "ms a call (median of CUDA-graph replays: kernel time, no host dispatch). TB/s: apart "
+        "counts dy read twice and written twice as int8; roof and local count one read and two "
+        "writes.",
         "",
         "| dy | M x N | row-wise op | groups op | apart | apart TB/s | apart, mul "
         "| roof, rows | roof, both | roof TB/s | local, div | local TB/s | local, mul |",
@@ -190,7 +204,9 @@ def main(argv=None) -> int:
         rows = measure(shapes, device, args.smoke, mul=True)
         (out / "dy_quantize_mul.json").write_text(json.dumps(rows, indent=1))
         return 0
-    cmd = [sys.executable, __file__, "--out", str(out), "--mul"] + (["--smoke"] if args.smoke else [])
+    cmd = [sys.executable, __file__, "--out", str(out), "--mul"] + (
+        ["--smoke"] if args.smoke else []
+    )
     if subprocess.run(cmd).returncode != 0:
         print("dy_quantize: the multiply variant failed", file=sys.stderr)
         return 1
