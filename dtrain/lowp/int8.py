@@ -130,8 +130,9 @@ def codes(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 values over their scales (broadcast) -> int8: v times the scale's reciprocal (an
     IEEE division a scale, not a value), rounded half to even, clamped to [-127, 127]. The
     kernels compute the same bits (int8_triton.quantize_values). A multiply, not v / scale:
-    the division a value bounded the Triton quantizes on an H200 (1b's 16,384 x 5,632 output
-    gradient, row-wise 0.124 -> 0.078 ms, the copy roof 0.076; in groups 0.120 -> 0.088:
+    an IEEE division a value bounded the Triton quantizes on an H200 (a tile kernel quantizing
+    1b's 16,384 x 5,632 output gradient both ways: 0.379 ms with it, 0.152 with the multiply;
+    the row-wise op now runs at a plain copy's speed, 0.074 ms against 0.071:
     bench/results/2026-12-03-gpu-s34/), and the result is at most one code from the division's
     (the product is within about an ulp of the quotient)."""
     return (v * torch.reciprocal(scale)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
