@@ -218,6 +218,41 @@ def test_quantize_rowwise_equals_eager_bitwise(r, c, dtype):
         assert q[2, :6].tolist() == [127, 0, 2, 2, 0, -2]  # half to even, as torch.round
 
 
+def _codes_where_the_division_differs() -> torch.Tensor:
+    """A row of fp32 values led by its abs-max, 1.0 (so its scale is fp32(1/127)), then every
+    value within 8 ulps of a half code whose quotient by that scale rounds to one code and
+    whose product with the scale's reciprocal to the next (ten of them)."""
+    scale = torch.tensor(1.0) * i8.INV_QMAX
+    half_codes = (torch.arange(-127, 127) + 0.5) * scale  # (254,) fp32
+    bits = half_codes.view(torch.int32)
+    near = torch.cat([(bits + d).view(torch.float32) for d in range(-8, 9)])  # ulps either side
+    differ = (near / scale).round() != (near * torch.reciprocal(scale)).round()
+    found = near[differ].unique()
+    assert found.numel() >= 8, found.numel()
+    return torch.cat([torch.ones(1), found])
+
+
+def test_codes_are_the_values_times_the_scales_reciprocal():
+    """int8.codes multiplies by the scale's reciprocal, one IEEE division a scale, not one a
+    value: on values where the two round to different codes the torch ops and the kernels give
+    the multiply's (and so the test sees which arithmetic ran), row-wise and in groups."""
+    row = _codes_where_the_division_differs()
+    scale = torch.tensor(1.0) * i8.INV_QMAX
+    by_product = (row * torch.reciprocal(scale)).round().to(torch.int8)
+    by_quotient = (row / scale).round().to(torch.int8)
+    assert (by_product != by_quotient).sum() == row.numel() - 1  # all but the abs-max
+    x = row.reshape(1, -1)
+    q, s = i8.quantize_rowwise(x)
+    assert s.item() == scale.item() and torch.equal(q[0], by_product)
+    for one_pass in (True, False):
+        q, s = it.quantize_rows(x, one_pass=one_pass)
+        assert s.item() == scale.item() and torch.equal(q[0], by_product), one_pass
+    col = x.t().contiguous()  # (tokens, 1 channel): one group of 41 tokens
+    for quantize in (ig.quantize_groups, igt.quantize_groups):
+        q, s = quantize(col, torch.ones(col.shape[0], 1))
+        assert s.item() == scale.item() and torch.equal(q[0], by_product), quantize
+
+
 def test_quantize_rowwise_with_column_scales():
     """int8 grad_weight quantizes (dy * s_x)^T: dy^T with per-column (token) scales."""
     g = torch.randn(64, 40)
