@@ -20,10 +20,9 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
         of each row / 127, then each value times the scale's reciprocal, rounded half to even
         and clamped to [-127, 127], in IEEE fp32 as `dtrain.lowp.int8.quantize_rowwise`
-        computes them (bitwise equal results). On a GPU,
-        rows contiguous in memory take the tile autotuning chooses per shape (QUANTIZE_TILES):
-        one pass (the row one tile, loaded once) or two sweeps (loaded twice, the second
-        mostly from L2).
+        computes them (bitwise equal results). On a GPU, rows contiguous in memory take the
+        tile autotuning chooses per shape (QUANTIZE_TILES): one pass (the row one tile, loaded
+        once) or two sweeps (loaded twice, the second mostly from L2).
 
 Shapes: any M, N, K. Rows and columns past the edges are masked (loads wrap around inside
 the tensor, stores are masked); a K that is not a multiple of BLOCK_K masks its last tile with
