@@ -84,7 +84,8 @@ def _differ(got, want) -> int:
 
 
 def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]:
-    """Times each shape's variants; with `mul`, only the ops, their division patched out."""
+    """Times each shape's variants; with `mul`, only the ops, their exact reciprocal a scale
+    patched to the approximate one a value."""
     tile, quantize_values_mul = _kernels()
     from dtrain.lowp import int8_grouped_triton as igt
     from dtrain.lowp import int8_triton as it

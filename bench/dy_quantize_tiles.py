@@ -1,6 +1,7 @@
-"""bench/dy_quantize.py's Triton kernels: the roof and the tile-local quantize, and the multiply in
-place of the quantize's division. Defined here, not in dtrain, since they exist to be measured;
-a module of their own so that they are defined after TRITON_INTERPRET is set (--smoke)."""
+"""bench/dy_quantize.py's Triton kernels: the roof and the tile-local quantize, and the
+approximate reciprocal a value in place of the quantize's exact arithmetic. Defined here, not in
+dtrain, since they exist to be measured; a module of their own so that they are defined after
+TRITON_INTERPRET is set (--smoke)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,23 @@ from dtrain.lowp.int8_triton import _rint, row_scales
 
 
 @triton.jit
-def _codes(v, scale, MUL: tl.constexpr):
-    s = tl.broadcast_to(scale[:, None], v.shape)
-    if MUL:
-        y = _rint(v * (1.0 / s))
-    else:
-        y = _rint(tl.math.div_rn(v, s))
+def quantize_values_mul(v, scale):
+    """int8_triton.quantize_values with Triton's approximate reciprocal (`1.0 / s`, div.full)
+    a value in place of its IEEE reciprocal a row."""
+    y = _rint(v * (1.0 / tl.broadcast_to(scale[:, None], v.shape)))
     return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _codes(v, scale, MUL: tl.constexpr):
+    """The codes with that multiply (MUL), or with an IEEE division a value (the arithmetic the
+    quantizes had before int8.codes)."""
+    if MUL:
+        q = quantize_values_mul(v, scale)
+    else:
+        y = _rint(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)))
+        q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    return q
 
 
 @triton.jit
@@ -45,10 +56,3 @@ def tile_kernel(
         else:
             qt = gt.to(tl.int8)
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], qt, mask=tl.trans(ok))
-
-
-@triton.jit
-def quantize_values_mul(v, scale):
-    """int8_triton.quantize_values with a multiply by the reciprocal for its IEEE division."""
-    y = _rint(v * (1.0 / tl.broadcast_to(scale[:, None], v.shape)))
-    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
