@@ -101,15 +101,17 @@ def _resources(compiled):
     return int(regs), int(stack) + int(local)
 
 
+def _gate_arg_type(name: str) -> str:
+    """A fused-SwiGLU kernel's pointer argument's type: bf16 tensors, fp32 scales, int8 codes."""
+    if name in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
+        return "*bf16"
+    return "*fp32" if name.endswith("s_ptr") or name == "scale_ptr" else "*i8"
+
+
 def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, sweep_c: int, warps):
     """_kernel_resources of a fused-SwiGLU kernel with bf16 inputs."""
     names = kernel.arg_names
-    types = {}
-    for n in names[: names.index("R")]:  # the pointers: bf16 tensors, int8 codes, fp32 scales
-        if n in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
-            types[n] = "*bf16"
-        else:
-            types[n] = "*fp32" if n.endswith("s_ptr") or n == "scale_ptr" else "*i8"
+    types = {n: _gate_arg_type(n) for n in names[: names.index("R")]}
     types.update(R="i32", C="i32")
     consts = {"ROW_C": row_c, "BLOCK_R": block_r, "SWEEP_C": sweep_c, "ONE_PASS": one_pass}
     return _kernel_resources(kernel, types, consts, warps)
@@ -131,7 +133,8 @@ def _skip_without_sm90_compiler(monkeypatch):
 def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(monkeypatch):
     """Every tile prune_row_tiles offers for 1b's row (5,632 -> 8,192) and 8b's (14,336 -> 16,384)
     compiles for sm_90a within the register file, nothing spilled to local memory; the
-    one-pass tile of 8b's row, which ONE_PASS_MAX keeps out, does spill (why the bound)."""
+    one-pass tiles of 8b's row, which ONE_PASS_MAX keeps out, spill or leave room for only one
+    program a multiprocessor (why the bound)."""
     _skip_without_sm90_compiler(monkeypatch)
     from dtrain.lowp import int8_swiglu_triton as swt
     from dtrain.lowp import int8_triton as it
@@ -147,8 +150,31 @@ def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(mon
                 regs, local = _gate_kernel_resources(kernel, *tile)
                 assert local == 0 and regs * 32 * cfg.num_warps <= 65536, (kernel, tile, regs)
     assert 16384 > it.ONE_PASS_MAX
-    regs, local = _gate_kernel_resources(kernels[1], 16384, True, 1, 1, 16)
-    assert local > 0, regs
+    for warps in (8, 16, 32):
+        regs, local = _gate_kernel_resources(kernels[1], 16384, True, 1, 1, warps)
+        assert local > 0 or regs * 32 * warps > 65536 // 2, (warps, regs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_swiglu_kernels_divide_once_a_scale_not_once_a_value(monkeypatch):
+    """Compiled for sm_90a, every tile of 1b's row: the only IEEE divisions (div.rn.f32, each a
+    branch to a slow path) are the reciprocals of the rows' scales, one for the forward's h and
+    three for the backward's ga, gb and h. Sigmoid and silu are Inductor's (Triton's sigmoid,
+    approximate); with PyTorch's eager formulas (two IEEE divisions a value) the kernels were
+    slower than Inductor's loops (docs/precision.md)."""
+    _skip_without_sm90_compiler(monkeypatch)
+    from dtrain.lowp import int8_swiglu_triton as swt
+    from dtrain.lowp import int8_triton as it
+
+    kernels = ((swt._swiglu_quantize_kernel, 1), (swt._swiglu_backward_quantize_kernel, 3))
+    for cfg in it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=8192):
+        for kernel, scales in kernels:
+            names = kernel.arg_names
+            types = {n: _gate_arg_type(n) for n in names[: names.index("R")]}
+            types.update(R="i32", C="i32")
+            consts = {"ROW_C": 8192, **cfg.kwargs}
+            ptx = _compile_sm90(kernel, types, consts, cfg.num_warps).asm["ptx"]
+            assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == scales, (kernel, cfg)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")

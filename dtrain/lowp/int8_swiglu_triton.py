@@ -34,11 +34,18 @@ twenty-seventh session's 1b trace put the two sweeps at 27.4 ms a step (backward
 divisions), plus the quantize's division, and the backward's 97 registers a thread (ptxas
 for sm_90a) leave room for two programs of 8 warps a multiprocessor. One pass does each once.
 
-The arithmetic is PyTorch's CUDA kernels' (silu: x / (1 + exp(-x)); its backward:
-dy * s * (1 + x * (1 - s)) with s = 1 / (1 + exp(-x)), in fp32 with IEEE division and the
-CUDA math library's exp), so on a GPU the results are eager's up to the compilers' choice of
-fused multiply-adds. In Triton's interpreter (CPU tests, TRITON_INTERPRET=1) exp is numpy's and
-fp32 -> bf16 casts truncate, so there they agree within a bf16 step.
+The arithmetic is torch.compile's (what Inductor makes of silu and its backward, which the
+compiled three linears and bf16 training run): sigmoid(a) = 1 / (1 + exp(-a)) with Triton's
+approximate exp (ex2) and division (div.full), silu(a) = a * sigmoid(a), and the backward
+dy * s * (1 + a * (1 - s)) with s = sigmoid(a), in fp32. PyTorch's eager kernels compute the same
+formulas with the CUDA math library's expf and IEEE divisions, so on a GPU the results are
+eager's within a few fp32 ulps before rounding: the same bf16 values but for about one in ten
+thousand, one step apart. The thirty-fifth session took out those divisions (two a value, each
+a branch to a slow path) and the per-tile abs-max reductions across the program's warps (a
+barrier each tile; now each thread keeps its columns' maxima, reduced once a row): they made
+these kernels slower than Inductor's loops. In Triton's interpreter (CPU tests,
+TRITON_INTERPRET=1) exp is numpy's and fp32 -> bf16 casts truncate, so there they agree within
+a bf16 step.
 """
 
 from __future__ import annotations
@@ -48,11 +55,9 @@ import triton
 import triton.language as tl
 
 from dtrain.lowp.int8_triton import (
-    INTERPRET,
     INV_QMAX,
     chosen_configs,
     launch_rows,
-    libdevice,
     quantize_values,
     row_block,
     row_scales,
@@ -60,24 +65,13 @@ from dtrain.lowp.int8_triton import (
     tuned_rows,
 )
 
-if INTERPRET:
-
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)  # the interpreter has no libdevice
-
-else:
-
-    @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)  # the CUDA math library's expf, as PyTorch's silu kernels
-
 
 @triton.jit
 def _sigmoid_silu(a):
-    """(sigmoid(a), silu(a)) in fp32: 1 / (1 + exp(-a)) and a / (1 + exp(-a))."""
-    d = 1.0 + _exp(-a)
-    return tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), d), tl.math.div_rn(a, d)
+    """(sigmoid(a), silu(a)) in fp32 as Inductor computes them (the module's docstring): Triton's
+    sigmoid and a * sigmoid(a), no IEEE division."""
+    sig = tl.sigmoid(a)
+    return sig, a * sig
 
 
 @triton.jit
@@ -137,13 +131,14 @@ def _swiglu_quantize_kernel(
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         _store_codes(q_ptr, h, scale, rows, offs_c, ok, C)
     else:
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        # abs-maxes per thread, reduced once after the sweep, as int8_triton's quantize's
+        amax = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
             ok = r_ok[:, None] & (offs_c < C)[None, :]
             h = _product(a_ptr, b_ptr, rows, offs_c, ok, C)
-            amax = tl.maximum(amax, _abs_max(h))
-        scale = row_scales(amax)
+            amax = tl.maximum(amax, tl.abs(h))
+        scale = row_scales(tl.max(amax, axis=1))
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
@@ -204,20 +199,21 @@ def _swiglu_backward_quantize_kernel(
         scale_b = row_scales(_abs_max(gb))
         scale_h = row_scales(_abs_max(h))
     else:
-        amax_a = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        amax_b = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        amax_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        # abs-maxes per thread, reduced once after the sweep, as int8_triton's quantize's
+        amax_a = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
+        amax_b = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
+        amax_h = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
             ok = r_ok[:, None] & (offs_c < C)[None, :]
             ga, gb, h = _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C)
             _store_gradients(ga_ptr, gb_ptr, ga, gb, rows, offs_c, ok, C)
-            amax_a = tl.maximum(amax_a, _abs_max(ga))
-            amax_b = tl.maximum(amax_b, _abs_max(gb))
-            amax_h = tl.maximum(amax_h, _abs_max(h))
-        scale_a = row_scales(amax_a)
-        scale_b = row_scales(amax_b)
-        scale_h = row_scales(amax_h)
+            amax_a = tl.maximum(amax_a, tl.abs(ga.to(tl.float32)))
+            amax_b = tl.maximum(amax_b, tl.abs(gb.to(tl.float32)))
+            amax_h = tl.maximum(amax_h, tl.abs(h))
+        scale_a = row_scales(tl.max(amax_a, axis=1))
+        scale_b = row_scales(tl.max(amax_b, axis=1))
+        scale_h = row_scales(tl.max(amax_h, axis=1))
     tl.store(gas_ptr + offs_r, scale_a, mask=r_ok)
     tl.store(gbs_ptr + offs_r, scale_b, mask=r_ok)
     tl.store(hs_ptr + offs_r, scale_h, mask=r_ok)

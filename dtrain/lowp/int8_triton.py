@@ -660,14 +660,16 @@ def _quantize_rowwise_kernel(
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         tl.store(q_ptr + rows[:, None] * C + offs_c[None, :], quantize_values(v, scale), mask=ok)
     else:
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        # Each thread keeps the abs-max of its own columns, reduced across the tile once after
+        # the sweep: a reduction a tile would synchronize the program's warps every tile.
+        amax = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
             v, ok = _load_row_tile(
                 x_ptr, col_scale_ptr, rows, r_ok, offs_c, C, stride_xr, stride_xc, HAS_COL_SCALE
             )
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        scale = row_scales(amax)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = row_scales(tl.max(amax, axis=1))
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
@@ -703,9 +705,10 @@ def one_pass_blocks(r: int, c: int) -> tuple[int, int, int]:
 
 
 # Rows up to this many values a program (BLOCK_R x next_power_of_2(C)) may take one pass, the
-# row one tile kept in registers. Past it the fused SwiGLU's backward spills: at 16,384 (8b's
-# 14,336) ptxas (sm_90a) spills 144 bytes a thread at 16 warps and 128 at 32, and at 8 warps
-# takes 252 registers, one program a multiprocessor; at 8,192 it spills nothing
+# row one tile kept in registers. Past it the fused SwiGLU's backward spills or fills the
+# register file: at 16,384 (8b's 14,336) ptxas (sm_90a) spills 16 bytes a thread at 8 warps and
+# 32 at 32, and at 16 warps takes 128 registers a thread, the whole file for one program a
+# multiprocessor; at 8,192 it spills nothing and leaves room for two programs
 # (tests/test_int8_triton.py compiles every tile offered and checks).
 ONE_PASS_MAX = 8192
 
