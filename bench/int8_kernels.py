@@ -672,8 +672,8 @@ def render(res: dict) -> str:
             "## SwiGLU gate with its quantizes (ms per call, bf16 (M, F))",
             "",
             "Triton: autotuned (the ops training calls; the tile chosen is in the JSON's "
-            "`autotuned`), and each way's fixed tile (one pass forced on 8b's row spills "
-            "registers: autotuning never offers it there).",
+            "`autotuned`), and each way's fixed tile (one pass forced on 8b's row: autotuning "
+            "never offers it there, past ONE_PASS_MAX, where the backward spills registers).",
             "",
             "| model | pass | M x F | bf16 eager | bf16 compiled | + quantizes, compiled "
             "| triton, tuned | triton, one pass | triton, two sweeps |",

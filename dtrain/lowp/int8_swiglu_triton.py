@@ -249,8 +249,10 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
 # 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
 # tiles (fewer registers, more programs in flight) are in the list too. Registers a thread of
 # today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
-# spilled): one pass of 8,192 at 8/16/32 warps 161/94/53; sweeps 2 x 2,048 at 8 warps 104,
-# 1 x 2,048 at 8 56, 1 x 1,024 at 4 55, 1 x 512 at 4 39.
+# spilled): one pass of 8,192 at 8/16/32 warps 128/76/50; sweeps 2 x 2,048 at 8 warps 126,
+# 1 x 2,048 at 8 59, 1 x 1,024 at 4 59, 1 x 512 at 4 37 (the forward's: 30-48). At 1b
+# autotuning chose one pass at 8 warps for the forward and sweeps of 1 x 2,048 for the
+# backward (thirty-fifth session, bench/results/2026-12-03-gpu-s35).
 _TILES = [
     (True, 1, 1, 8),
     (True, 1, 1, 16),
