@@ -39,11 +39,11 @@ compiled three linears and bf16 training run): sigmoid(a) = 1 / (1 + exp(-a)) wi
 approximate exp (ex2) and division (div.full), silu(a) = a * sigmoid(a), and the backward
 dy * s * (1 + a * (1 - s)) with s = sigmoid(a), in fp32. PyTorch's eager kernels compute the same
 formulas with the CUDA math library's expf and IEEE divisions, so on a GPU the results are
-eager's within a few fp32 ulps before rounding: the same bf16 values but for about one in ten
-thousand, one step apart. The thirty-fifth session took out those divisions (two a value, each
-a branch to a slow path) and the per-tile abs-max reductions across the program's warps (a
-barrier each tile; now each thread keeps its columns' maxima, reduced once a row): they made
-these kernels slower than Inductor's loops. In Triton's interpreter (CPU tests,
+eager's within a few fp32 ulps before rounding: the GPU tests hold them to one bf16 step apart
+in at most a thousandth of the values. The thirty-fifth session took out those divisions (two
+a value, each a branch to a slow path) and the per-tile abs-max reductions across the
+program's warps (a barrier each tile; now each thread keeps its columns' maxima, reduced once
+a row): they made these kernels slower than Inductor's loops. In Triton's interpreter (CPU tests,
 TRITON_INTERPRET=1) exp is numpy's and fp32 -> bf16 casts truncate, so there they agree within
 a bf16 step.
 """
@@ -150,7 +150,7 @@ def _swiglu_quantize_kernel(
 @triton.jit
 def _gradients(dh_ptr, a_ptr, b_ptr, rows, offs_c, ok, C):
     """(ga, gb, h): ga and gb in a's dtype, autograd's mul backward (dh * b, dh * silu(a), each
-    rounded), then silu's backward of the first, as PyTorch's kernels compute them; and the
+    rounded), then silu's backward of the first, in its formula, with Inductor's sigmoid; and the
     forward's h = silu(a) * b in fp32, as _product computes it."""
     a, af = _load(a_ptr, rows, offs_c, ok, C)
     _, bf = _load(b_ptr, rows, offs_c, ok, C)
@@ -249,8 +249,9 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
 # 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
 # tiles (fewer registers, more programs in flight) are in the list too. Registers a thread of
 # today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
-# spilled): one pass of 8,192 at 8/16/32 warps 128/76/50; sweeps 2 x 2,048 at 8 warps 126,
-# 1 x 2,048 at 8 59, 1 x 1,024 at 4 59, 1 x 512 at 4 37 (the forward's: 30-48). At 1b
+# spilled; Triton 3.6, the GPU machine's): one pass of 8,192 at 8/16/32 warps 128/77/51;
+# sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
+# (the forward's: 30-49). At 1b
 # autotuning chose one pass at 8 warps for the forward and sweeps of 1 x 2,048 for the
 # backward (thirty-fifth session, bench/results/2026-12-03-gpu-s35).
 _TILES = [

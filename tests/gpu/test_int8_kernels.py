@@ -429,10 +429,10 @@ def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n):
 @pytest.mark.parametrize("r,c", [(16384, 5632), (1024, 14336), (1000, 700), (3, 5)])
 def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c, one_pass):
     """The gate's two fused kernels, one pass and two sweeps, at 1b's and 8b's rows, against
-    eager CUDA ops on bf16: PyTorch's silu formulas with the same exp, so the same bits but
-    where a compiler's fused multiply-adds round differently (at most a thousandth of the
-    values, by one step); the int8 codes are exactly the row quantize of the gradients the
-    kernel returned, and the backward's codes of h are the forward's."""
+    eager CUDA ops on bf16. The kernels compute silu's formulas with Inductor's sigmoid
+    (approximate exp and division), a few fp32 ulps from eager's: the same bf16 values but in
+    at most a thousandth of them, by one step. The int8 codes are exactly the row quantize of
+    the gradients the kernel returned, and the backward's codes of h are the forward's."""
     import torch.nn.functional as F
 
     from dtrain.lowp import int8_swiglu_triton as swt
