@@ -101,20 +101,23 @@ def _resources(compiled):
     return int(regs), int(stack) + int(local)
 
 
-def _gate_arg_type(name: str) -> str:
-    """A fused-SwiGLU kernel's pointer argument's type: bf16 tensors, fp32 scales, int8 codes."""
-    if name in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
-        return "*bf16"
-    return "*fp32" if name.endswith("s_ptr") or name == "scale_ptr" else "*i8"
+def _gate_types(kernel) -> dict:
+    """A fused-SwiGLU kernel's argument types before its constants: the pointers (bf16 tensors,
+    fp32 scales, int8 codes), then R and C."""
+
+    def pointer(name):
+        if name in ("a_ptr", "b_ptr", "dh_ptr", "ga_ptr", "gb_ptr"):
+            return "*bf16"
+        return "*fp32" if name.endswith("s_ptr") or name == "scale_ptr" else "*i8"
+
+    names = kernel.arg_names
+    return {n: pointer(n) for n in names[: names.index("R")]} | {"R": "i32", "C": "i32"}
 
 
 def _gate_kernel_resources(kernel, row_c: int, one_pass: bool, block_r: int, sweep_c: int, warps):
     """_kernel_resources of a fused-SwiGLU kernel with bf16 inputs."""
-    names = kernel.arg_names
-    types = {n: _gate_arg_type(n) for n in names[: names.index("R")]}
-    types.update(R="i32", C="i32")
     consts = {"ROW_C": row_c, "BLOCK_R": block_r, "SWEEP_C": sweep_c, "ONE_PASS": one_pass}
-    return _kernel_resources(kernel, types, consts, warps)
+    return _kernel_resources(kernel, _gate_types(kernel), consts, warps)
 
 
 def _skip_without_sm90_compiler(monkeypatch):
@@ -169,11 +172,8 @@ def test_swiglu_kernels_divide_once_a_scale_not_once_a_value(monkeypatch):
     kernels = ((swt._swiglu_quantize_kernel, 1), (swt._swiglu_backward_quantize_kernel, 3))
     for cfg in it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=8192):
         for kernel, scales in kernels:
-            names = kernel.arg_names
-            types = {n: _gate_arg_type(n) for n in names[: names.index("R")]}
-            types.update(R="i32", C="i32")
             consts = {"ROW_C": 8192, **cfg.kwargs}
-            ptx = _compile_sm90(kernel, types, consts, cfg.num_warps).asm["ptx"]
+            ptx = _compile_sm90(kernel, _gate_types(kernel), consts, cfg.num_warps).asm["ptx"]
             assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == scales, (kernel, cfg)
 
 

@@ -43,9 +43,9 @@ eager's within a few fp32 ulps before rounding: the GPU tests hold them to one b
 in at most a thousandth of the values. The thirty-fifth session took out those divisions (two
 a value, each a branch to a slow path) and the per-tile abs-max reductions across the
 program's warps (a barrier each tile; now each thread keeps its columns' maxima, reduced once
-a row): they made these kernels slower than Inductor's loops. In Triton's interpreter (CPU tests,
-TRITON_INTERPRET=1) exp is numpy's and fp32 -> bf16 casts truncate, so there they agree within
-a bf16 step.
+a row): they made these kernels slower than Inductor's loops. In Triton's interpreter (CPU
+tests, TRITON_INTERPRET=1) exp is numpy's and fp32 -> bf16 casts truncate, so there they agree
+within a bf16 step.
 """
 
 from __future__ import annotations
@@ -251,9 +251,8 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
 # today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
 # spilled; Triton 3.6, the GPU machine's): one pass of 8,192 at 8/16/32 warps 128/77/51;
 # sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
-# (the forward's: 30-49). At 1b
-# autotuning chose one pass at 8 warps for the forward and sweeps of 1 x 2,048 for the
-# backward (thirty-fifth session, bench/results/2026-12-03-gpu-s35).
+# (the forward's: 30-49). At 1b autotuning chose one pass at 8 warps for the forward and
+# sweeps of 1 x 2,048 for the backward (thirty-fifth session, bench/results/2026-12-03-gpu-s35).
 _TILES = [
     (True, 1, 1, 8),
     (True, 1, 1, 16),

@@ -709,8 +709,7 @@ def one_pass_blocks(r: int, c: int) -> tuple[int, int, int]:
 # register file: at 16,384 (8b's 14,336) ptxas (sm_90a, Triton 3.6) takes 255 registers a
 # thread at 8 warps and 128 at 16, the whole file for one program a multiprocessor, and at 32
 # spills (Triton 3.9 spills at 8 warps too); at 8,192 it spills nothing and leaves room for
-# two programs
-# (tests/test_int8_triton.py compiles every tile offered and checks).
+# two programs (tests/test_int8_triton.py compiles every tile offered and checks).
 ONE_PASS_MAX = 8192
 
 
