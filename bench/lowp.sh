@@ -4,6 +4,9 @@
 #   OUT=/tmp/out bash bench/lowp.sh fsdp8b     # model=8b, fsdp on 2 GPUs, seq 8192, micro-batch 1
 #   OUT=/tmp/out bash bench/lowp.sh single1b   # model=1b, 1 GPU, seq 2048, micro-batch 8
 #   OUT=/tmp/out bash bench/lowp.sh fsdp1b     # model=1b, fsdp on 2 GPUs, seq 2048, micro-batch 8
+#   OUT=/tmp/out bash bench/lowp.sh slice8b    # 8b's blocks on 1 GPU: model=8b cut to LAYERS
+#       blocks (default 16: bf16 fits in an H200's 141 GB), seq 8192, micro-batch 1, Llama 3's
+#       vocab; 8b's shapes where only one GPU is lent (no sharding, so no gather to hide)
 #   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 2 steps traced each (top ops)
 #   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
 #   OUT=/tmp/out bash bench/lowp.sh int8kernels  # bf16 vs torch._int_mm vs Triton int8: GEMMs,
@@ -13,7 +16,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b and single1b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -94,6 +97,11 @@ single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"
 }
+slice8b() {
+  local name=$1; shift
+  MODEL=8b dtrain_run "$name" 1 model=8b model.n_layer=${LAYERS:-16} trainer.seq_len=8192 \
+    trainer.micro_batch_size=1 data.vocab_size=128256 "$@"
+}
 fsdp1b() {  # MODEL is bench/common.sh's default, 1b
   local name=$1; shift
   dtrain_run "$name" 2 strategy=fsdp data.vocab_size=50304 "$@"
@@ -105,6 +113,8 @@ case "${1:-}" in
       with_env $p single1b single1b_$p${TAG:+_$TAG} $(prec $p); done ;;
   fsdp1b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
       with_env $p fsdp1b fsdp1b_$p${TAG:+_$TAG} $(prec $p); done ;;
+  slice8b) for p in ${PRECS:-bf16 fp8} ${EXTRA:-}; do
+      with_env $p slice8b slice8b_$p${TAG:+_$TAG} $(prec $p); done ;;
   int8kernels) python3 bench/int8_kernels.py --out "$OUT" ;;
   loss350m)
     for p in ${PRECS:-bf16 fp8}; do
@@ -117,6 +127,6 @@ case "${1:-}" in
       with_env $p $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
-  *) echo "usage: bench/lowp.sh fsdp8b|fsdp1b|single1b|profile8b|profile1b|int8kernels|loss350m" >&2
+  *) echo "usage: bench/lowp.sh fsdp8b|fsdp1b|single1b|slice8b|profile8b|profile1b|int8kernels|loss350m" >&2
      exit 2 ;;
 esac
