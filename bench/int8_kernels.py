@@ -16,6 +16,9 @@ per matmul and end to end, every ratio against the bf16 of the same call.
      triton      dtrain's Triton int8 GEMM, dequantization fused, bf16 out (autotuned first)
      triton TMA  its persistent TMA kernel; for grad-input also with an fp32 output, what
                  q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
+     Gluon       on Hopper, the warp-specialized Gluon GEMM (DTRAIN_INT8_GEMM=gluon), bf16
+                 out, its tile tuned first; the table marks a result that is not the TMA
+                 kernel's bits
      grouped     for grad-weight, precision.int8_grad_weight=int8_grouped's GEMM (scales per
                  row per 128 tokens, fp32 out): the Triton kernels, and on Hopper the Gluon one
                  (DTRAIN_INT8_GROUPED_GEMM=gluon), its faster tile
@@ -186,7 +189,7 @@ def _fp8_mm(a, b, sa, sb):
 # "grouped_gluon" (dtrain/lowp/int8_grouped_gluon.py, Hopper only; the faster of its tiles,
 # named in the JSON's `grouped_gluon_tile`): grad-weight GEMMs only.
 GEMM_WAYS = (
-    "bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "grouped",
+    "bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "gluon", "grouped",
     "grouped_gluon", "fp8",
 )  # fmt: skip
 
@@ -226,6 +229,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                     sa1, sb1 = sa.reshape(-1), sb.reshape(-1).contiguous()
                     tma = partial(it._launch_int8_mm_tma, a, b, c, sa1, sb1)
                     res["triton_tma_ms"] = _try(_first_then_time, ms, tma)
+                    res.update(_gluon_gemm(ms, a, b, sa1, sb1, c))
                     if case["role"] == "grad_input":  # q, k, v, w1, w3 take fp32 inputs:
                         # their grad-input GEMM writes fp32 (DTRAIN_INT8_GRAD_INPUT=input)
                         c32 = torch.empty(m, n, dtype=torch.float32, device=device)
@@ -255,6 +259,28 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                 res[f"{v}_speedup_vs_bf16"] = res["bf16_ms"] / res[f"{v}_ms"]
         out.append({**case, **res})
     return out
+
+
+def _gluon_gemm(ms, a, b, sa, sb, tma_out) -> dict:
+    """The warp-specialized Gluon GEMM (DTRAIN_INT8_GEMM=gluon), its tile tuned on the first
+    call, where it applies (Hopper): its time, the tile, and whether it wrote the TMA kernel's
+    bits (`tma_out`, just computed); {} elsewhere."""
+    import torch
+
+    from dtrain.lowp.switches import has_gluon_hopper
+
+    if not has_gluon_hopper():
+        return {}
+    from dtrain.lowp import int8_gemm_gluon as gg
+
+    if not gg.applies(a, b, sa, sb, tma_out.dtype):
+        return {}
+    out = torch.empty_like(tma_out)
+    res = {"gluon_ms": _try(_first_then_time, ms, partial(gg.launch, a, b, sa, sb, out))}
+    if isinstance(res["gluon_ms"], float):
+        res["gluon_tile"] = list(gg._tuned(a, b, sa, sb, out))
+        res["gluon_equals_tma"] = torch.equal(out, tma_out)
+    return res
 
 
 def _gluon_grouped(ms, a, b, sg, device) -> dict:
@@ -587,6 +613,16 @@ def _cell(ms, rate) -> str:
     return f"{ms:.3f} ({rate:.0f})" if isinstance(ms, float) else _f(ms)
 
 
+def _ratio(base, new):
+    """base / new where both are times, else None."""
+    return base / new if isinstance(base, float) and isinstance(new, float) else None
+
+
+def _same(g: dict) -> str:
+    """The Gluon cell's mark: ' (bits differ from TMA's)' where they do."""
+    return " (bits differ from TMA's)" if g.get("gluon_equals_tma") is False else ""
+
+
 def render(res: dict) -> str:
     lines = ["# int8 kernels (bench/int8_kernels.py)", ""]
     info = res.get("micro", {}).get("info", {})
@@ -602,10 +638,10 @@ def render(res: dict) -> str:
             "## GEMMs (ms; TFLOP/s or TOP/s; speed-up against bf16 torch.mm)",
             "",
             "| model | linear | role | M N K | bf16 | _int_mm + dequant | triton (fused) "
-            "| triton TMA | TMA, fp32 out | grouped (grad-weight, fp32 out) | grouped, Gluon "
-            "| fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 | TMA vs bf16 | grouped vs bf16 "
-            "| Gluon vs bf16 | fp8 vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| triton TMA | TMA, fp32 out | Gluon (warp-specialized) | grouped (grad-weight, fp32 "
+            "out) | grouped, Gluon | fp8 _scaled_mm | _int_mm vs bf16 | triton vs bf16 "
+            "| TMA vs bf16 | Gluon vs TMA | grouped vs bf16 | grouped Gluon vs bf16 | fp8 vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gemms:
             lines.append(
@@ -615,12 +651,14 @@ def render(res: dict) -> str:
                 f"| {_cell(g.get('triton_ms'), g.get('triton_tflops'))} "
                 f"| {_cell(g.get('triton_tma_ms'), g.get('triton_tma_tflops'))} "
                 f"| {_cell(g.get('triton_tma_f32_ms'), g.get('triton_tma_f32_tflops'))} "
+                f"| {_cell(g.get('gluon_ms'), g.get('gluon_tflops'))}{_same(g)} "
                 f"| {_cell(g.get('grouped_ms'), g.get('grouped_tflops'))} "
                 f"| {_cell(g.get('grouped_gluon_ms'), g.get('grouped_gluon_tflops'))} "
                 f"| {_cell(g.get('fp8_ms'), g.get('fp8_tflops'))} "
                 f"| {_f(g.get('int_mm_dequant_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('triton_tma_speedup_vs_bf16'), '{:.2f}x')} "
+                f"| {_f(_ratio(g.get('triton_tma_ms'), g.get('gluon_ms')), '{:.2f}x')} "
                 f"| {_f(g.get('grouped_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('grouped_gluon_speedup_vs_bf16'), '{:.2f}x')} "
                 f"| {_f(g.get('fp8_speedup_vs_bf16'), '{:.2f}x')} |"

@@ -108,6 +108,23 @@ def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
     assert not [r for r in caplog.records if "int8 GEMMs" in r.getMessage()]
 
 
+def test_the_gluon_gemm_when_asked_is_said_in_one_line_and_never_runs_on_cpu(monkeypatch, caplog):
+    monkeypatch.setattr(it, "GEMM", "gluon")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+    lines = [r.getMessage() for r in caplog.records if "int8 GEMMs" in r.getMessage()]
+    assert lines == [
+        "int8 GEMMs: the warp-specialized Gluon kernel where it applies (Hopper, scaled), else "
+        "the TMA one (DTRAIN_INT8_GEMM)"
+    ]
+    a, b, sa, sb = _operands(1024, 1024, 1024)  # 2**30 multiply-adds: a large problem
+    assert not it._takes_gluon(a, b, sa, sb, torch.bfloat16)  # CPU tensors (the interpreter)
+    assert torch.equal(
+        it.int8_mm(a[:33], b[:, :70], sa[:33], sb[:, :70], torch.float32),
+        i8.scaled_int_mm(a[:33], sa[:33], b[:, :70], sb[:, :70], torch.float32),
+    )
+
+
 def test_the_quantize_tile_switch_forces_the_sweeps_and_is_said_in_one_line(monkeypatch, caplog):
     """DTRAIN_INT8_QUANTIZE_TILES=sweeps: the op takes two sweeps of a fixed tile where it would
     autotune (or, here in the interpreter, take one pass), and apply_int8 says so once."""

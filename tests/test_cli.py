@@ -61,7 +61,7 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
     "env,choices",
     [
         ("DTRAIN_INT8_KERNEL", "auto, triton, torch"),
-        ("DTRAIN_INT8_GEMM", "tma or pointer"),
+        ("DTRAIN_INT8_GEMM", "tma, pointer, gluon"),
         ("DTRAIN_INT8_QUANTIZE_TILES", "tuned or sweeps"),
         ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
@@ -79,20 +79,26 @@ def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
         check_int8_switches()
 
 
-def test_the_gluon_grouped_gemm_needs_gluon_and_says_so_at_launch(monkeypatch):
-    """DTRAIN_INT8_GROUPED_GEMM=gluon with a Triton that has no Gluon for Hopper: one
-    ConfigError naming the variable, what it needs and the other choice."""
+@pytest.mark.parametrize(
+    "env,others",
+    [("DTRAIN_INT8_GROUPED_GEMM", "auto or triton"), ("DTRAIN_INT8_GEMM", "tma or pointer")],
+)
+def test_a_gluon_gemm_needs_gluon_and_says_so_at_launch(monkeypatch, env, others):
+    """DTRAIN_INT8_GROUPED_GEMM=gluon or DTRAIN_INT8_GEMM=gluon with a Triton that has no Gluon
+    for Hopper: one ConfigError naming the variable, what it needs and the other choices."""
     from dtrain.errors import ConfigError
     from dtrain.lowp import switches
 
-    monkeypatch.setenv("DTRAIN_INT8_GROUPED_GEMM", "gluon")
+    monkeypatch.setenv(env, "gluon")
     monkeypatch.setattr(switches, "has_gluon_hopper", lambda: False)
     said = (
-        r"^DTRAIN_INT8_GROUPED_GEMM=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
-        r"later\); (this is Triton |Triton is not).+: choose auto or triton$"
+        rf"^{env}=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
+        rf"later\); (this is Triton |Triton is not).+: choose {others}$"
     )
     with pytest.raises(ConfigError, match=said):
         switches.check_int8_switches()
+    monkeypatch.setattr(switches, "has_gluon_hopper", lambda: True)
+    switches.check_int8_switches()  # with Gluon: fine
 
 
 def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):

@@ -261,6 +261,94 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_with_one_fused_multiply_add(m
         assert local == 0, (block_n, warps, regs)
 
 
+def _skip_without_gluon_compiler(monkeypatch):
+    _skip_without_sm90_compiler(monkeypatch)
+    from dtrain.lowp.switches import has_gluon_hopper
+
+    if not has_gluon_hopper():
+        pytest.skip("this Triton has no Gluon for Hopper")
+
+
+def _compile_gluon_sm90(kernel, descs: dict, types: dict, consts: dict):
+    """A Gluon `kernel` compiled for sm_90a here: its TMA descriptors `descs`, then its other
+    arguments typed by `types` (pointers 16-byte aligned, as torch allocates) and `consts`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = kernel.arg_names
+    sig = {n: mangle_type(d) for n, d in descs.items()} | types
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    pointers = [n for n, t in types.items() if t.startswith("*")]
+    src = GluonASTSource(
+        fn=kernel,
+        signature=sig,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _int8_wgmmas(compiled) -> tuple[list, list]:
+    """(every int8 wgmma of the SASS, those a wait is tracked on: gsb0). ptxas serialises
+    wgmmas (every one then waited for: its note C7514) when other instructions read an
+    accumulator while one is in flight."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run(
+            [_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    mmas = re.findall(r"IGMMA\.64x\d+x32\.S8\.S8[^;]*;", sass)
+    return mmas, [m for m in mmas if "gsb0" in m]
+
+
+def _warp_specialized_int8_wgmma_on_tma(compiled) -> None:
+    """Nothing spilled, shared memory within an H100's, the partitions' register budgets
+    (setmaxnreg: warp-specialized), int8 wgmma on TMA-loaded stages and no mma.sync."""
+    regs, local = _resources(compiled)
+    assert local == 0, regs
+    assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's
+    ptx = compiled.asm["ptx"]
+    assert "setmaxnreg" in ptx
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
+    assert "cp.async.bulk.tensor" in ptx and "mma.sync" not in ptx
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_gluon_gemm_is_warp_specialized_with_a_wait_a_step(monkeypatch):
+    """The Gluon int8 GEMM (dtrain/lowp/int8_gemm_gluon.py) compiled for sm_90a as training
+    launches it (bf16 and fp32 outputs), at each of its tiles: warp-specialized (two consumer
+    warpgroups and a producer warp), int8 wgmma on TMA stages, and in the SASS each consumer's
+    wgmmas of a K step (BLOCK_K / 32 of them for each 64 rows) chained with one wait: not
+    serialised. Nothing spilled (64-bit offsets in its epilogue did spill: a stack frame)."""
+    _skip_without_gluon_compiler(monkeypatch)
+    import torch
+
+    from dtrain.lowp import int8_gemm_gluon as g
+
+    a = torch.zeros(256, 256, dtype=torch.int8)
+    b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
+    for out in ("*bf16", "*fp32"):
+        for tile in g.TILES:
+            a_desc, b_desc = g.descriptors(a, b, tile)
+            types = {"c_ptr": out, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
+            types |= dict.fromkeys(("M", "N", "K", "stride_cm", "stride_cn"), "i32")
+            consts = {"GROUP_M": 8, "NUM_BUFFERS": tile[3]}
+            descs = {"a_desc": a_desc, "b_desc": b_desc}
+            compiled = _compile_gluon_sm90(g._int8_mm_ws_kernel, descs, types, consts)
+            _warp_specialized_int8_wgmma_on_tma(compiled)
+            mmas, waited = _int8_wgmmas(compiled)
+            block_m, _, block_k, _ = tile
+            consumers, per_step = 2, (block_m // 64) * (block_k // 32)
+            assert len(mmas) == consumers * per_step and len(waited) == consumers, (out, tile)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypatch):
     """The Gluon grouped GEMM (dtrain/lowp/int8_grouped_gluon.py) compiled for sm_90a as
@@ -272,59 +360,25 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
     the promotion of one consumer to overlap another's MMAs. The promotion one fused
     multiply-add rounded as the portable path's (fma.rn: no flush to zero); nothing spilled;
     shared memory within an H100's."""
-    _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp.switches import has_gluon_hopper
-
-    if not has_gluon_hopper():
-        pytest.skip("this Triton has no Gluon for Hopper")
-    import os
-    import tempfile
-
+    _skip_without_gluon_compiler(monkeypatch)
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
     from dtrain.lowp import int8_grouped_gluon as gg
 
-    kernel = gg._int8_mm_grouped_kernel
-    names = kernel.arg_names
     a = torch.zeros(256, 256, dtype=torch.int8)
     b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
     for block_m, block_n, buffers in gg.TILES:
         a_desc, b_desc = gg.descriptors(a, b, block_m, block_n)
-        sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc)}
-        sig.update({"c_ptr": "*fp32", "s_ptr": "*fp32"})
-        sig.update(dict.fromkeys(("M", "N", "K", "stride_cm", "stride_cn"), "i32"))
-        sig.update(dict.fromkeys(("stride_sm", "stride_sg"), "i32"))
+        types = {"c_ptr": "*fp32", "s_ptr": "*fp32"}
+        names = ("M", "N", "K", "stride_cm", "stride_cn", "stride_sm", "stride_sg")
+        types |= dict.fromkeys(names, "i32")
         consts = {"GROUP_M": 8, "NUM_BUFFERS": buffers}
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        src = GluonASTSource(
-            fn=kernel,
-            signature=sig,
-            constexprs={(names.index(n),): v for n, v in consts.items()},
-            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "s_ptr")},
-        )
-        options = {"num_warps": 4}
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        regs, local = _resources(compiled)
-        assert local == 0, (block_m, block_n, buffers, regs)
-        assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's
+        descs = {"a_desc": a_desc, "b_desc": b_desc}
+        compiled = _compile_gluon_sm90(gg._int8_mm_grouped_kernel, descs, types, consts)
+        _warp_specialized_int8_wgmma_on_tma(compiled)
         ptx = compiled.asm["ptx"]
-        assert "setmaxnreg" in ptx  # the partitions' register budgets: warp-specialized
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
-        assert "cp.async.bulk.tensor" in ptx and "mma.sync" not in ptx
         assert re.search(r"\bfma\.rn\.f32\b", ptx) and not re.search(r"\.ftz\.f32", ptx)
-        with tempfile.TemporaryDirectory() as d:
-            cubin = os.path.join(d, "k.cubin")
-            with open(cubin, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            sass = subprocess.run(
-                [_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True
-            ).stdout
-        mmas = re.findall(r"IGMMA\.64x\d+x32\.S8\.S8[^;]*;", sass)
-        waited = [m for m in mmas if "gsb0" in m]
+        mmas, waited = _int8_wgmmas(compiled)
         chunks, consumers = block_n // 128, 2  # a consumer's steps a group
         # each consumer four chained a step and then one wait
         assert len(mmas) == consumers * 4 * chunks and len(waited) == consumers * chunks, mmas

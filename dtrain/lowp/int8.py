@@ -500,8 +500,14 @@ def apply_int8(
         ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
         if grad_weight == "int8_grouped":
             from dtrain.lowp import int8_grouped_triton  # noqa: F401 - registers its op
-        if ops.GEMM != "tma":
+        if ops.GEMM == "pointer":
             log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
+        elif ops.GEMM == "gluon":
+            log.info(
+                "int8 GEMMs: the warp-specialized Gluon kernel where it applies (Hopper, "
+                "scaled), else the TMA one (%s)",
+                ops.GEMM_ENV,
+            )
         if ops.QUANTIZE_TILE != "tuned":
             log.info(
                 "int8 quantize op: two sweeps of a fixed tile, not autotuned (%s)",

@@ -91,8 +91,10 @@ _INTERPRET_CONFIG = (32, 32, 32, 4, 1)  # the interpreter runs tiles in numpy: k
 _GROUP_M = 8
 # Which GEMM kernel int8_mm runs on large problems on a GPU: "tma" (the persistent kernel with
 # TMA loads, the default: 1.03-1.28x the pointer kernel on the nine 1b shapes, 0.95-1.35x on
-# the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/) or "pointer" (tiles
-# loaded through pointers, one program per tile). GEMM_ENV sets it (A/B runs; its choices are
+# the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/), "pointer" (tiles
+# loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8_gemm_gluon.py:
+# persistent and warp-specialized, one warpgroup's epilogue beside the other's MMAs, where it
+# applies: Hopper, both scales, operands TMA reads; "tma" elsewhere). GEMM_ENV sets it (A/B runs; its choices are
 # in dtrain/lowp/switches.py, which checks it at launch without importing Triton); a bad value
 # is a ConfigError when this module loads.
 
@@ -472,12 +474,22 @@ def _takes_tma(a, b) -> bool:
     with TMA, operands TMA can read."""
     m, k = a.shape
     return (
-        GEMM == "tma"
+        GEMM in ("tma", "gluon")
         and a.is_cuda
         and m * b.shape[1] * k >= _SMALL_WORK
         and _has_tma(a.device)
         and _tma_ok(a, b)
     )
+
+
+def _takes_gluon(a, b, a_scale, b_scale, out_dtype) -> bool:
+    """Whether int8_mm runs the Gluon kernel: GEMM says so, a large problem, and it applies
+    (int8_gemm_gluon.applies: Hopper with Gluon, both scales, operands TMA reads)."""
+    if GEMM != "gluon" or not a.is_cuda or a.shape[0] * b.shape[1] * a.shape[1] < _SMALL_WORK:
+        return False
+    from dtrain.lowp import int8_gemm_gluon
+
+    return int8_gemm_gluon.applies(a, b, a_scale, b_scale, out_dtype)
 
 
 def tma_operands(a, b, config: tuple | None = None):
@@ -562,7 +574,11 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
         return out.zero_()
     sa = a_scale.reshape(-1).contiguous() if a_scale is not None else None
     sb = b_scale.reshape(-1).contiguous() if b_scale is not None else None
-    if _takes_tma(a, b):
+    if _takes_gluon(a, b, sa, sb, out_dtype):
+        from dtrain.lowp import int8_gemm_gluon  # Gluon: imported only where it runs
+
+        int8_gemm_gluon.launch(a, b, sa, sb, out)
+    elif _takes_tma(a, b):
         _launch_int8_mm_tma(a, b, out, sa, sb)
     else:
         _launch_int8_mm(a, b, out, sa, sb)

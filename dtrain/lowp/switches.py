@@ -23,7 +23,7 @@ def env_choice(env: str, choices: tuple[str, ...]) -> str:
 
 # The GEMM kernel's switch (dtrain/lowp/int8_triton.py says what each does): here so the check
 # at launch needs no Triton.
-GEMM_VARIANTS = ("tma", "pointer")
+GEMM_VARIANTS = ("tma", "pointer", "gluon")
 GEMM_ENV = "DTRAIN_INT8_GEMM"
 # The row-wise quantize op's tile (dtrain/lowp/int8_triton.py, QUANTIZE_TILES): "tuned" (one
 # pass or two sweeps, autotuned per shape for contiguous rows) or "sweeps" (two sweeps of a
@@ -71,14 +71,22 @@ def check_int8_switches() -> None:
         (GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES),
     ):
         env_choice(env, choices)
-    if env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES) == "gluon" and not has_gluon_hopper():
-        from importlib.metadata import PackageNotFoundError, version
+    for env, choices, others in (
+        (GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES, "auto or triton"),
+        (GEMM_ENV, GEMM_VARIANTS, "tma or pointer"),
+    ):
+        if env_choice(env, choices) == "gluon" and not has_gluon_hopper():
+            _no_gluon(env, others)
 
-        try:
-            have = f"this is Triton {version('triton')}"
-        except PackageNotFoundError:
-            have = "Triton is not installed"
-        raise ConfigError(
-            f"{GROUPED_GEMM_ENV}=gluon needs Triton's Gluon for Hopper (Triton 3.6 or later); "
-            f"{have}: choose auto or triton"
-        )
+
+def _no_gluon(env: str, others: str):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = f"this is Triton {version('triton')}"
+    except PackageNotFoundError:
+        have = "Triton is not installed"
+    raise ConfigError(
+        f"{env}=gluon needs Triton's Gluon for Hopper (Triton 3.6 or later); "
+        f"{have}: choose {others}"
+    )

@@ -37,12 +37,13 @@ def operands(n, m, k, seed=0):
     return a, b, s
 
 
-def _runs(label, launch, want, shape, failures) -> None:
-    """launch(out) REPEATS times into NaN-filled outputs (unwritten stays NaN), each bit for bit
-    `want`. Names the launch first: a run that hangs shows which."""
+def runs(label, launch, want, shape, failures) -> None:
+    """launch(out) REPEATS times into NaN-filled outputs of want's dtype (unwritten stays NaN),
+    each bit for bit `want`. Names the launch first: a run that hangs shows which. (Also
+    tests/gpu/gluon_gemm_check.py's.)"""
     print(f"{shape} {label}", flush=True)
     for r in range(REPEATS):
-        out = torch.full(want.shape, float("nan"), device="cuda")
+        out = torch.full(want.shape, float("nan"), dtype=want.dtype, device="cuda")
         launch(out)
         torch.cuda.synchronize()
         if not torch.equal(out, want):
@@ -59,7 +60,7 @@ def main() -> int:
         a, b, s = operands(n, m, k)
         ref = ig.grouped_int_mm(a, s, b, torch.float32)
         for tile in gg.TILES:
-            _runs(f"tile {tile}", partial(gg.launch, a, b, s, tile=tile), ref, (n, m, k), failures)
+            runs(f"tile {tile}", partial(gg.launch, a, b, s, tile=tile), ref, (n, m, k), failures)
         for choice in ("auto", "gluon"):  # int8_mm_grouped takes it by default and when chosen
             with igt.grouped_gemm(choice):
                 if not igt._takes_gluon(a, b):

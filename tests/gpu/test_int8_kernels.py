@@ -388,21 +388,7 @@ def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
 
     if not has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, cli_env
-
-    script = ROOT / "tests" / "gpu" / "gluon_grouped_check.py"
-    try:
-        res = subprocess.run(
-            [sys.executable, str(script)], cwd=ROOT, env=cli_env(), capture_output=True,
-            text=True, timeout=120,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:  # it runs in about 20 s on an H200
-        last = (e.stdout or b"").decode(errors="replace").strip().splitlines()[-1:]
-        pytest.fail(f"the Gluon grouped GEMM did not finish in 120 s (a deadlock?); last: {last}")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _run_check("gluon_grouped_check.py", "the Gluon grouped GEMM", timeout=120)
 
 
 @pytest.mark.parametrize("m,n", [(16384, 5632), (16384, 2048), (8192, 14336), (300, 1000)])
