@@ -20,11 +20,11 @@ compiles for Blackwell only.
 So here, as CUTLASS's ping-pong kernels: a producer warp issues the TMA loads of every tile
 this program computes, in order, into a ring of NUM_BUFFERS shared-memory stages, and two
 consumer warpgroups take the program's tiles in turn (consumer 0 its 1st, 3rd, ...; consumer 1
-its 2nd, 4th, ...), each with a whole tile's int32 sums in its registers. Because the ring is
-filled in order, a consumer's MMAs run after the other's, and its epilogue (convert, scale,
-cast, store) runs while the other's MMAs do. Stages: `ready` (count 1: the producer's expected
-bytes) and `empty` (count 1: the one consumer that read it, once its wgmma is done; all start
-free). Each consumer keeps one wgmma in flight (waits for the one before), which is the only
+its 2nd, 4th, ...), each with a whole tile's int32 sums in its registers. A consumer starts a
+tile once the other has issued the MMAs of the tile before (`turn` barriers, CUTLASS's order
+barrier), so its epilogue (convert, scale, cast, store) runs while the other's MMAs do. Stages:
+`ready` (count 1: the producer's expected bytes) and `empty` (count 1: the one consumer that
+read it, once its wgmma is done; all start free). Each consumer keeps one wgmma in flight (waits for the one before), which is the only
 overlap a self-chained accumulator allows.
 
 Tiles (a consumer's BLOCK_M x BLOCK_N, BLOCK_K, stages) are timed on a shape's first call and
@@ -106,6 +106,7 @@ def _consumer(
     b_bufs,
     ready,
     empty,
+    turn,
     c_ptr,
     a_scale_ptr,
     b_scale_ptr,
@@ -133,8 +134,14 @@ def _consumer(
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, mma)
     # this consumer's i-th tile is the program's (2i + INDEX)-th: its steps start there
     step = INDEX * k_tiles
+    i = 0
     for tile_id in range(pid + INDEX * programs, num_tiles, _CONSUMERS * programs):
         off_m, off_n = _tile_offsets(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        # The other consumer has waited for every stage of the tile before this one. Only then
+        # are this tile's `ready` phases the next ones of their barriers: a parity names a
+        # phase only among the two nearest, and this tile's first step is k_tiles past the
+        # other's first, more than NUM_BUFFERS at dtrain's K.
+        mbarrier.wait(turn.index(INDEX), i & 1)
         for k in range(k_tiles):
             index = step % NUM_BUFFERS
             mbarrier.wait(ready.index(index), (step // NUM_BUFFERS) & 1)
@@ -144,9 +151,11 @@ def _consumer(
             # the step before is done: its stage is free
             mbarrier.arrive(empty.index((step + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > 0)
             step += 1
+        mbarrier.arrive(turn.index(1 - INDEX))  # its turn: this tile's MMAs are all issued
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + NUM_BUFFERS - 1) % NUM_BUFFERS))
         step += k_tiles  # past the other consumer's tile
+        i += 1
         _dequantize_store(
             acc, c_ptr, a_scale_ptr, b_scale_ptr, off_m, off_n, M, N, stride_cm, stride_cn, mma
         )
@@ -199,7 +208,13 @@ def _int8_mm_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
         mbarrier.arrive(empty.index(i), count=1)  # every stage starts free
-    common = (a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K)
+    # turn[c]: consumer c may wait for its next tile's stages (phase i: its i-th tile), arrived
+    # by the other once it has issued its own tile's MMAs; consumer 0 goes first
+    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_CONSUMERS):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0), count=1)
+    common = (a_bufs, b_bufs, ready, empty, turn, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K)
     common += (stride_cm, stride_cn, GROUP_M)
     gl.warp_specialize(
         [
