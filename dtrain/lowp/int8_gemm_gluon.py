@@ -24,8 +24,8 @@ its 2nd, 4th, ...), each with a whole tile's int32 sums in its registers. A cons
 tile once the other has issued the MMAs of the tile before (`turn` barriers, CUTLASS's order
 barrier), so its epilogue (convert, scale, cast, store) runs while the other's MMAs do. Stages:
 `ready` (count 1: the producer's expected bytes) and `empty` (count 1: the one consumer that
-read it, once its wgmma is done; all start free). Each consumer keeps one wgmma in flight (waits for the one before), which is the only
-overlap a self-chained accumulator allows.
+read it, once its wgmma is done; all start free). Each consumer keeps one wgmma in flight (waits
+for the one before), which is the only overlap a self-chained accumulator allows.
 
 Tiles (a consumer's BLOCK_M x BLOCK_N, BLOCK_K, stages) are timed on a shape's first call and
 the fastest kept for it (`_tuned`), as Triton's autotuner does for the Triton kernels.
@@ -66,7 +66,9 @@ _CONSUMERS = gl.constexpr(2)
 
 
 @gluon.jit
-def _tile_offsets(tile_id, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+def _tile_offsets(
+    tile_id, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr
+):
     """(off_m, off_n) of the tile_id-th tile in grouped order (int8_triton._grouped_tile's)."""
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)

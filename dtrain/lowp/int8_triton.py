@@ -94,9 +94,9 @@ _GROUP_M = 8
 # the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/), "pointer" (tiles
 # loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8_gemm_gluon.py:
 # persistent and warp-specialized, one warpgroup's epilogue beside the other's MMAs, where it
-# applies: Hopper, both scales, operands TMA reads; "tma" elsewhere). GEMM_ENV sets it (A/B runs; its choices are
-# in dtrain/lowp/switches.py, which checks it at launch without importing Triton); a bad value
-# is a ConfigError when this module loads.
+# applies: Hopper, both scales, operands TMA reads; "tma" elsewhere). GEMM_ENV sets it (A/B
+# runs; its choices are in dtrain/lowp/switches.py, which checks it at launch without importing
+# Triton); a bad value is a ConfigError when this module loads.
 
 
 def gemm_variant() -> str:

@@ -69,8 +69,7 @@ def main() -> int:
                     failures.append(f"{(n, m, k)}: int8_mm_grouped's bf16 output differs")
     for f in failures:
         print(f)
-    runs = f"{len(SHAPES)} shapes x {len(gg.TILES)} tiles x {REPEATS}"
-    print(f"{runs}: {len(failures)} failures")
+    print(f"{len(SHAPES)} shapes x {len(gg.TILES)} tiles x {REPEATS}: {len(failures)} failures")
     return 1 if failures else 0
 
 

@@ -375,6 +375,44 @@ def test_every_grouped_tile_autotuning_may_choose_is_exact():
         assert torch.equal(out, ref), (launch.__name__, config)
 
 
+def _run_check(script: str, what: str, timeout: int) -> None:
+    """Runs tests/gpu/<script> in a subprocess under `timeout` seconds: a kernel deadlocked on its
+    barriers fails the test (naming the last launch it printed) instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    try:
+        res = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "gpu" / script)], cwd=ROOT, env=cli_env(),
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        last = (e.stdout or b"").decode(errors="replace").strip().splitlines()[-1:]
+        pytest.fail(f"{what} did not finish in {timeout} s (a deadlock?); last: {last}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _skip_without_gluon_hopper() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels' wgmma is Hopper's (sm_90)")
+    from dtrain.lowp.switches import has_gluon_hopper
+
+    if not has_gluon_hopper():
+        pytest.skip("this Triton has no Gluon for Hopper")
+
+
+def test_gluon_gemm_is_the_portable_paths_bit_for_bit():
+    """The warp-specialized Gluon GEMM (dtrain/lowp/int8_gemm_gluon.py; DTRAIN_INT8_GEMM=gluon)
+    on Hopper at each tile and the tuned one, three times each, bf16 and fp32 out: edges in M, N
+    and K, K under one step, fewer tiles than SMs, one tile, 1b's and 8b's GEMMs (every element
+    stored: none left NaN); and int8_mm taking it for scaled products and the TMA kernel for the
+    integer one (tests/gpu/gluon_gemm_check.py, in a subprocess under a timeout)."""
+    _skip_without_gluon_hopper()
+    _run_check("gluon_gemm_check.py", "the Gluon GEMM", timeout=240)
+
+
 def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
     """The Gluon kernel (dtrain/lowp/int8_grouped_gluon.py; the default where it applies) on
     Hopper at each of its tiles, three times each: edges in every dimension, a short last
@@ -382,12 +420,7 @@ def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
     and int8_mm_grouped taking it by default and when chosen. In a subprocess under a timeout
     (tests/gpu/gluon_grouped_check.py): a deadlock on its barriers fails the test instead of
     hanging the suite."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel's wgmma is Hopper's (sm_90)")
-    from dtrain.lowp.switches import has_gluon_hopper
-
-    if not has_gluon_hopper():
-        pytest.skip("this Triton has no Gluon for Hopper")
+    _skip_without_gluon_hopper()
     _run_check("gluon_grouped_check.py", "the Gluon grouped GEMM", timeout=120)
 
 
