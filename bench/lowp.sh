@@ -16,7 +16,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -52,7 +52,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
-  int8apart|int8bwapart|int8gapart|int8qfused|int8qsweeps|int8mk|int8tma|int8ptr|int8gluon|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
+  int8apart|int8bwapart|int8gapart|int8qfused|int8qsweeps|int8mk|int8tma|int8ptr|int8gluon|int8fastest|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;
   int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
@@ -73,8 +73,11 @@ int8env() { case $1 in int8apart) echo apart ;; int8bwapart) echo backward ;;
 mkenv() { case $1 in *mk) echo 1 ;; *) echo 0 ;; esac; }
 # int8ptr: int8 with the pointer-load GEMM (DTRAIN_INT8_GEMM=pointer) instead of the persistent
 # TMA one (the default since the twenty-fifth session; int8tma names it explicitly); int8gluon
-# with the warp-specialized Gluon GEMM (=gluon) for the scaled forward and grad-input GEMMs.
-gemmenv() { case $1 in int8ptr) echo pointer ;; int8gluon) echo gluon ;; *) echo tma ;; esac; }
+# with the warp-specialized Gluon GEMM (=gluon) for the scaled forward and grad-input GEMMs;
+# int8fastest with the faster of the two per shape (=fastest).
+gemmenv() {
+  case $1 in int8ptr) echo pointer ;; int8gluon) echo gluon ;; int8fastest) echo fastest ;; *) echo tma ;; esac
+}
 # int8gin: int8 with the grad-input GEMM writing the input's dtype (fp32) for the fp32 inputs of
 # q, k, v, w1 and w3 (DTRAIN_INT8_GRAD_INPUT=input), as every int8 run but int8gic and int8all
 # did before the twenty-seventh session. Since then the default, and so every other int8 run,

@@ -108,15 +108,25 @@ def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
     assert not [r for r in caplog.records if "int8 GEMMs" in r.getMessage()]
 
 
-def test_the_gluon_gemm_when_asked_is_said_in_one_line_and_never_runs_on_cpu(monkeypatch, caplog):
-    monkeypatch.setattr(it, "GEMM", "gluon")
+@pytest.mark.parametrize(
+    "gemm,line",
+    [
+        ("gluon", "the warp-specialized Gluon kernel where it applies (Hopper, scaled), else "),
+        (
+            "fastest",
+            "per shape the faster of the Gluon and TMA kernels, timed once, where the Gluon one "
+            "applies (Hopper, scaled), else ",
+        ),
+    ],
+)
+def test_the_gluon_gemm_when_asked_is_said_in_one_line_and_never_runs_on_cpu(
+    gemm, line, monkeypatch, caplog
+):
+    monkeypatch.setattr(it, "GEMM", gemm)
     with caplog.at_level(logging.INFO, logger="dtrain"):
         i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
     lines = [r.getMessage() for r in caplog.records if "int8 GEMMs" in r.getMessage()]
-    assert lines == [
-        "int8 GEMMs: the warp-specialized Gluon kernel where it applies (Hopper, scaled), else "
-        "the TMA one (DTRAIN_INT8_GEMM)"
-    ]
+    assert lines == [f"int8 GEMMs: {line}the TMA one (DTRAIN_INT8_GEMM)"]
     a, b, sa, sb = _operands(1024, 1024, 1024)  # 2**30 multiply-adds: a large problem
     assert not it._takes_gluon(a, b, sa, sb, torch.bfloat16)  # CPU tensors (the interpreter)
     assert torch.equal(
@@ -417,6 +427,52 @@ def test_a_bad_quantize_mode_is_one_line(monkeypatch):
     monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
     with pytest.raises(ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid; "):
         i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+
+
+def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_once(monkeypatch):
+    """GEMM=fastest: where the Gluon kernel applies, int8_mm runs whichever of it and the TMA
+    kernel median_ms timed faster on that shape (timed once per shape and out dtype, after each
+    tuned); "gluon" runs it untimed. The launches are stand-ins recording which ran (the real
+    ones are Hopper's: tests/gpu/gluon_gemm_check.py runs them)."""
+    gg = pytest.importorskip("dtrain.lowp.int8_gemm_gluon")
+    ran, timed = [], []
+
+    def fake(name):
+        def launch(*args, **kwargs):
+            ran.append(name)
+
+        return launch
+
+    # the Gluon kernel is the faster where K >= 1024, the slower below
+    def median_ms(call):
+        a, name = call.args[0], call.func.__name__
+        timed.append(name)
+        return 1.0 if (a.shape[1] >= 1024) == (name == "gluon") else 2.0
+
+    fake_gluon = fake("gluon")
+    fake_gluon.__name__ = "gluon"
+    fake_tma = fake("tma")
+    fake_tma.__name__ = "tma"
+    monkeypatch.setattr(gg, "launch", fake_gluon)
+    monkeypatch.setattr(it, "_launch_int8_mm_tma", fake_tma)
+    monkeypatch.setattr(it, "median_ms", median_ms)
+    monkeypatch.setattr(it, "_takes_gluon", lambda *args: True)  # as on Hopper
+    monkeypatch.setattr(it, "_takes_tma", lambda *args: True)
+    monkeypatch.setattr(it, "_GLUON_FASTER", {})
+    monkeypatch.setattr(it, "GEMM", "fastest")
+    for k, faster in ((2048, "gluon"), (512, "tma")):
+        a, b, sa, sb = _operands(64, 64, k)
+        for _ in range(3):
+            ran.clear()
+            it.int8_mm(a, b, sa, sb, torch.bfloat16)
+            assert ran[-1] == faster, k
+        assert timed.count("gluon") == timed.count("tma") == (1 if k == 2048 else 2)
+    it.int8_mm(a, b, sa, sb, torch.float32)  # another out dtype: timed again
+    assert len(timed) == 6
+    monkeypatch.setattr(it, "GEMM", "gluon")
+    ran.clear()
+    it.int8_mm(a, b, sa, sb, torch.bfloat16)
+    assert ran == ["gluon"] and len(timed) == 6
 
 
 def test_dispatch_in_the_interpreter(monkeypatch):

@@ -61,7 +61,7 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
     "env,choices",
     [
         ("DTRAIN_INT8_KERNEL", "auto, triton, torch"),
-        ("DTRAIN_INT8_GEMM", "tma, pointer, gluon"),
+        ("DTRAIN_INT8_GEMM", "tma, pointer, gluon, fastest"),
         ("DTRAIN_INT8_QUANTIZE_TILES", "tuned or sweeps"),
         ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),

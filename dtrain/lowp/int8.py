@@ -508,6 +508,12 @@ def apply_int8(
                 "scaled), else the TMA one (%s)",
                 ops.GEMM_ENV,
             )
+        elif ops.GEMM == "fastest":
+            log.info(
+                "int8 GEMMs: per shape the faster of the Gluon and TMA kernels, timed once, "
+                "where the Gluon one applies (Hopper, scaled), else the TMA one (%s)",
+                ops.GEMM_ENV,
+            )
         if ops.QUANTIZE_TILE != "tuned":
             log.info(
                 "int8 quantize op: two sweeps of a fixed tile, not autotuned (%s)",

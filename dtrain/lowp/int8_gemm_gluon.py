@@ -36,6 +36,8 @@ int8 wgmma on TMA stages, nothing spilled.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -293,17 +295,11 @@ def _tuned(a, b, a_scale, b_scale, out) -> tuple:
     tile that fails to compile counts as infinitely slow). The sums are integers and the
     epilogue the same at every tile, so each writes the same bits: timing into `out` is
     harmless."""
-    from dtrain.lowp.int8_triton import _bench_or_skip
+    from dtrain.lowp.int8_triton import median_ms
 
     key = (*a.shape, b.shape[1], out.dtype, a.device)
     if key not in _CHOSEN:
-        # the autotuner's quantiles (do_bench returns a bare float for a single one)
-        times = {
-            t: _bench_or_skip(lambda t=t: launch(a, b, a_scale, b_scale, out, t), [0.5, 0.2, 0.8])[
-                0
-            ]
-            for t in TILES
-        }
+        times = {t: median_ms(partial(launch, a, b, a_scale, b_scale, out, t)) for t in TILES}
         _CHOSEN[key] = min(times, key=times.get)
     return _CHOSEN[key]
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from functools import partial
 
 import torch
 import triton
@@ -94,7 +95,10 @@ _GROUP_M = 8
 # the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/), "pointer" (tiles
 # loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8_gemm_gluon.py:
 # persistent and warp-specialized, one warpgroup's epilogue beside the other's MMAs, where it
-# applies: Hopper, both scales, operands TMA reads; "tma" elsewhere). GEMM_ENV sets it (A/B
+# applies: Hopper, both scales, operands TMA reads; "tma" elsewhere) or "fastest" (per
+# problem the faster of "gluon" and "tma", timed once where the Gluon kernel applies: the Gluon
+# kernel was 1.09-1.17x the TMA one at K >= 5632 and 0.83-0.86x at K = 2048 on an H200,
+# bench/results/2026-12-03-gpu-s36/; both write the same bits). GEMM_ENV sets it (A/B
 # runs; its choices are in dtrain/lowp/switches.py, which checks it at launch without importing
 # Triton); a bad value is a ConfigError when this module loads.
 
@@ -275,6 +279,13 @@ def _bench_or_skip(kernel_call, quantiles):
         if "out of memory" in str(e) or "illegal" in str(e):
             raise
         return [float("inf")] * len(quantiles)
+
+
+def median_ms(kernel_call) -> float:
+    """kernel_call's median time with autotuning's timer (`_bench_or_skip`: infinite where it
+    fails to compile), for a choice among kernels made outside triton.autotune."""
+    # autotuning's quantiles: with one, do_bench returns a bare float
+    return _bench_or_skip(kernel_call, [0.5, 0.2, 0.8])[0]
 
 
 TUNE_KWARGS: dict = {}
@@ -474,7 +485,7 @@ def _takes_tma(a, b) -> bool:
     with TMA, operands TMA can read."""
     m, k = a.shape
     return (
-        GEMM in ("tma", "gluon")
+        GEMM in ("tma", "gluon", "fastest")
         and a.is_cuda
         and m * b.shape[1] * k >= _SMALL_WORK
         and _has_tma(a.device)
@@ -483,13 +494,36 @@ def _takes_tma(a, b) -> bool:
 
 
 def _takes_gluon(a, b, a_scale, b_scale, out_dtype) -> bool:
-    """Whether int8_mm runs the Gluon kernel: GEMM says so, a large problem, and it applies
-    (int8_gemm_gluon.applies: Hopper with Gluon, both scales, operands TMA reads)."""
-    if GEMM != "gluon" or not a.is_cuda or a.shape[0] * b.shape[1] * a.shape[1] < _SMALL_WORK:
+    """Whether int8_mm may run the Gluon kernel: GEMM says "gluon" or "fastest", a large
+    problem, and it applies (int8_gemm_gluon.applies: Hopper with Gluon, both scales, operands
+    TMA reads)."""
+    if GEMM not in ("gluon", "fastest") or not a.is_cuda:
+        return False
+    if a.shape[0] * b.shape[1] * a.shape[1] < _SMALL_WORK:
         return False
     from dtrain.lowp import int8_gemm_gluon
 
     return int8_gemm_gluon.applies(a, b, a_scale, b_scale, out_dtype)
+
+
+# GEMM="fastest": (M, K, N, out dtype, device) -> whether the Gluon kernel was the faster
+_GLUON_FASTER: dict[tuple, bool] = {}
+
+
+def _gluon_is_faster(a, b, a_scale, b_scale, out) -> bool:
+    """Whether the Gluon kernel (at its own tuned tile) beat the TMA one (autotuned) on this
+    problem, timed once per process with autotuning's timer after each has chosen its tile.
+    Both compute integer sums and the same epilogue, so timing into `out` is harmless and the
+    choice changes no bit."""
+    from dtrain.lowp import int8_gemm_gluon
+
+    key = (*a.shape, b.shape[1], out.dtype, a.device)
+    if key not in _GLUON_FASTER:
+        tma = partial(_launch_int8_mm_tma, a, b, out, a_scale, b_scale)
+        gluon = partial(int8_gemm_gluon.launch, a, b, a_scale, b_scale, out)
+        tma(), gluon()  # each tunes its tile first, outside the timing
+        _GLUON_FASTER[key] = median_ms(gluon) < median_ms(tma)
+    return _GLUON_FASTER[key]
 
 
 def tma_operands(a, b, config: tuple | None = None):
@@ -574,7 +608,9 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
         return out.zero_()
     sa = a_scale.reshape(-1).contiguous() if a_scale is not None else None
     sb = b_scale.reshape(-1).contiguous() if b_scale is not None else None
-    if _takes_gluon(a, b, sa, sb, out_dtype):
+    if _takes_gluon(a, b, sa, sb, out_dtype) and (
+        GEMM == "gluon" or _gluon_is_faster(a, b, sa, sb, out)
+    ):
         from dtrain.lowp import int8_gemm_gluon  # Gluon: imported only where it runs
 
         int8_gemm_gluon.launch(a, b, sa, sb, out)

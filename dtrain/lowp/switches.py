@@ -23,7 +23,7 @@ def env_choice(env: str, choices: tuple[str, ...]) -> str:
 
 # The GEMM kernel's switch (dtrain/lowp/int8_triton.py says what each does): here so the check
 # at launch needs no Triton.
-GEMM_VARIANTS = ("tma", "pointer", "gluon")
+GEMM_VARIANTS = ("tma", "pointer", "gluon", "fastest")
 GEMM_ENV = "DTRAIN_INT8_GEMM"
 # The row-wise quantize op's tile (dtrain/lowp/int8_triton.py, QUANTIZE_TILES): "tuned" (one
 # pass or two sweeps, autotuned per shape for contiguous rows) or "sweeps" (two sweeps of a

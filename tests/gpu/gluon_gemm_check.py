@@ -78,6 +78,16 @@ def main() -> int:
         "tma"
     ]:
         failures.append(f"int8_mm, the integer product, with GEMM=gluon: took {took}")
+    # GEMM=fastest: the faster kernel per shape, timed once, the same bits whichever it is
+    it.GEMM = "fastest"
+    for m, n, k in SHAPES[4:]:
+        a, b, sa, sb = operands(m, n, k)
+        want = i8.scaled_int_mm(a, sa[:, None], b, sb[None, :], torch.bfloat16)
+        if not torch.equal(it.int8_mm(a, b, sa, sb, torch.bfloat16), want):
+            failures.append(f"{(m, n, k)}: int8_mm with GEMM=fastest writes other bits")
+    print("Gluon faster (M, K, N):", {str(k[:3]): v for k, v in it._GLUON_FASTER.items()})
+    if len(it._GLUON_FASTER) != len(SHAPES) - 4:
+        failures.append(f"GEMM=fastest timed {len(it._GLUON_FASTER)} shapes")
     print("tiles chosen:", gg.chosen_tiles())
     for f in failures:
         print(f)
