@@ -526,6 +526,7 @@ def test_known_points_are_within_15_percent():
         (("strategy=zero2",), 2, 107_000 / 2),
         (("strategy=single", "precision=fp8"), 1, 72_515),
         (("strategy=single", "precision=fp8", "precision.fp8_scaling=delayed"), 1, 74_157),
+        (("strategy=single", "precision=int8"), 1, 64_977),  # 2026-12-03-gpu-s36 call 4
         # ZeRO-3 without DeepCompile: eager three times (2026-11-26b, 2026-11-27 calls 4 and 5),
         # then under plain torch.compile (deepspeed.py's EAGER_ZERO3, HOOKED_COMPILED_ZERO3)
         (("strategy=zero3", "strategy.deepcompile=false"), 2, 36_968),
@@ -704,8 +705,11 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
     fused AdamW's rate, fitted to two 8b runs on 2x H200; its host time the floor, which binds
     on small models."""
     # Those runs' int8 GEMMs were the pointer kernel's, priced at 0.74 of the bf16 share of the
-    # int8 peak (the TMA kernel that replaced it: 0.79, bench/results/2026-12-01-gpu-s25).
-    monkeypatch.setitem(sp.QUANT_SPEED, "int8", replace(sp.QUANT_SPEED["int8"], efficiency=0.74))
+    # int8 peak (the TMA kernel that replaced it: 0.79, bench/results/2026-12-01-gpu-s25), and
+    # their quantizes divided a value at a time: three passes (1.5 since the thirty-fourth
+    # session's codes).
+    old = replace(sp.QUANT_SPEED["int8"], efficiency=0.74, cast_passes=3.0)
+    monkeypatch.setitem(sp.QUANT_SPEED, "int8", old)
     shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
     shape += ("trainer.micro_batch_size=1", "strategy=fsdp")
     kept = "strategy.reshard_after_forward=false"  # what auto resolved to in those runs
@@ -750,6 +754,23 @@ def test_param_tensors_are_counted_from_the_config():
             with torch.device("meta"):
                 model = GPT(cfg)
             assert len(list(model.parameters())) == count_param_tensors(cfg)
+
+
+def test_int8_is_planned_at_its_measured_speed_against_bf16():
+    """The default int8 (SwitchBack; the TMA GEMMs; quantizes at copy speed) against bf16 in
+    one call each, 1x H200 (bench/results/2026-12-03-gpu-s36/): model=1b, 64,977 over 59,097
+    tokens/s (its cast passes fitted to it), and 8b's blocks cut to 16, seq 8192, 20,875 over
+    18,506 (not fitted), each ratio within 2%."""
+    machine = datasheet_machine(GPUS["h200-141gb"])
+    one = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")
+    cut = ("model=8b", "model.n_layer=16", "model.vocab_size=128256", "trainer.seq_len=8192")
+    cut += ("trainer.micro_batch_size=1", "strategy=single")
+    for shape, measured in ((one, 64_977 / 59_097), (cut, 20_875 / 18_506)):
+        speed = {}
+        for prec in ("bf16", "int8"):
+            cfg, setup = _setup(*shape, f"precision={prec}")
+            speed[prec] = sp.plan_speed(cfg.model, setup, machine).tokens_per_s_per_gpu
+        assert speed["int8"] / speed["bf16"] == pytest.approx(measured, rel=0.02), shape[0]
 
 
 def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
