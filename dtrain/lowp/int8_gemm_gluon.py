@@ -233,9 +233,15 @@ def _int8_mm_ws_kernel(
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, tile: tuple):
-    """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
-    row-major, boxes (BLOCK_M, BLOCK_K) and (BLOCK_N, BLOCK_K): both K-major."""
+    """This kernel's TMA descriptors at `tile` (`k_major_descriptors`)."""
     block_m, block_n, block_k, _ = tile
+    return k_major_descriptors(a, b, block_m, block_n, block_k)
+
+
+def k_major_descriptors(a: torch.Tensor, b: torch.Tensor, block_m, block_n, block_k):
+    """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
+    row-major, boxes (block_m, block_k) and (block_n, block_k): both K-major, as int8 wgmma
+    reads them (also int8_grouped_gluon's)."""
     bt = b.t()
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.int8)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)

@@ -54,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from dtrain.lowp.int8_gemm_gluon import k_major_descriptors
 from dtrain.lowp.int8_grouped import GROUP
 
 # Gluon is experimental and renames: Triton 3.6 has tma.async_copy_global_to_shared, Triton 3.9
@@ -251,12 +251,7 @@ def _int8_mm_grouped_kernel(
 def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int):
     """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
     row-major: boxes (block_m, GROUP) and (block_n, GROUP), both K-major as int8 wgmma reads."""
-    bt = b.t()
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.int8)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, GROUP], gl.int8)
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, GROUP], a_layout)
-    b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, GROUP], b_layout)
-    return a_desc, b_desc
+    return k_major_descriptors(a, b, block_m, block_n, GROUP)
 
 
 def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
