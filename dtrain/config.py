@@ -30,7 +30,7 @@ Fp8Recipe = Literal["tensorwise", "rowwise"]
 # Which fp8 GEMMs accumulate fast (unpromoted): the forward one always (torchao's recipe), the
 # grad-input one too, or all three (the grad-weight one as well).
 Fp8FastAccum = Literal["forward", "grad_input", "all"]
-Fp8Scaling = Literal["dynamic", "delayed"]
+Fp8Scaling = Literal["auto", "dynamic", "delayed"]
 # When DeepCompile runs its ZeRO-3 passes (dtrain.strategies.deepspeed.DEEPCOMPILE_SCHEDULES)
 DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
@@ -66,13 +66,15 @@ class DataConfig:
 
 
 # trainer.micro_batch_size and strategy.reshard_after_forward: resolved by the memory plan
-# before the run is built (dtrain.memory.search).
+# before the run is built (dtrain.memory.search); precision.fp8_lm_head and fp8_scaling: by
+# the strategy's sharding (dtrain.precision.build_precision).
 AUTO = "auto"
 # What the keys that take AUTO accept, said whole when a value is none of it (a type name such
 # as "true/false or a string" would not name auto).
 AUTO_CHOICES = {
     "strategy.reshard_after_forward": f"true, false or {AUTO}",
     "trainer.micro_batch_size": f"a positive integer or {AUTO}",
+    "precision.fp8_lm_head": f"true, false or {AUTO}",
 }
 
 # DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
@@ -123,15 +125,17 @@ class PrecisionConfig:
     # (torchtitan's default).
     fp8_all_gather: bool | None = None
     # precision=fp8: the LM head's matmuls in fp8 too (its weight is the tied embedding's);
-    # strategies that do not shard weights only (single, ddp)
-    fp8_lm_head: bool = False
+    # strategies that do not shard weights only (single, ddp). auto: there, where the
+    # vocabulary and d_model are multiples of 16 (dtrain.precision.resolve_fp8_auto says why)
+    fp8_lm_head: bool | str = AUTO
     # precision=fp8: which GEMMs accumulate in fp8's fast (unpromoted) mode: the forward one
     # (torchao's recipe: the backward ones promote to fp32), grad_input too, or all
     fp8_fast_accum: Fp8FastAccum = "forward"
     # precision=fp8 (tensorwise): the inputs' and output gradients' scales from this tensor's
     # amax (dynamic: two passes over it) or from the last fp8_amax_history steps' (delayed:
-    # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py)
-    fp8_scaling: Fp8Scaling = "dynamic"
+    # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py); auto:
+    # delayed where parameters are whole (single, ddp), dynamic where they are sharded
+    fp8_scaling: Fp8Scaling = AUTO
     fp8_amax_history: int = 16
     # precision=int8: grad_weight matmul in int8 | int8_grouped | bf16 (SwitchBack); None: default
     int8_grad_weight: str | None = None

@@ -132,7 +132,10 @@ def plan_precision(cfg):
     from dtrain.precision import build_precision
 
     return build_precision(
-        PrecisionConfig(**cfg.precision.__dict__), torch.device("cpu"), check_device=False
+        PrecisionConfig(**cfg.precision.__dict__),
+        torch.device("cpu"),
+        check_device=False,
+        shards_params=strategy_class(cfg.strategy.name).shards_params(cfg.strategy.name),
     )
 
 

@@ -32,7 +32,7 @@ from dtrain.metrics import MetricsWriter, peak_flops
 from dtrain.model import count_params, flops_per_token
 from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import short_warmup_warning
-from dtrain.precision import Precision, build_precision
+from dtrain.precision import Precision, build_precision, fp8_auto_note
 from dtrain.profiling import StepProfiler
 from dtrain.reporting.summary import run_hparams
 from dtrain.reporting.tensorboard import run_name
@@ -104,11 +104,14 @@ def build_run(
     nodes = gather_nodes(env) if env.distributed else None
     cfg = resolved.cfg = with_init_from(cfg)
     t = cfg.trainer
-    precision = build_precision(cfg.precision, env.device)
+    chosen = strategy_class(cfg.strategy.name)
+    sharded = chosen.shards_params(cfg.strategy.name)
+    precision = build_precision(cfg.precision, env.device, shards_params=sharded)
+    if note := fp8_auto_note(cfg.precision, precision, sharded):
+        log.info("%s", note)
     precision.apply_backend_flags(env.device)
     # The strategy's refusals come before the data is built; the strategy itself is built once
     # the memory plan has decided its auto options.
-    chosen = strategy_class(cfg.strategy.name)
     chosen.check_installed(cfg.strategy)
     chosen.check_config(cfg.strategy, precision, env.device.type)
     chosen.check_world(cfg.strategy, env.world_size)

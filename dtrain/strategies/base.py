@@ -263,6 +263,13 @@ class Strategy:
         return cls.memory
 
     @classmethod
+    def shards_params(cls, name: str) -> bool:
+        """Whether a rank of strategy=<name> holds only a shard of each parameter (fsdp, hsdp,
+        zero3): what the precision choices that need whole weights read."""
+        facts = cls.memory_facts(name)
+        return facts is not None and "params" in facts.shards
+
+    @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
         """What this strategy's config means for the planner, by dtrain.memory.MemorySetup's
         field names: its name, whether it compiles and the options it honours."""
