@@ -66,15 +66,13 @@ class DataConfig:
 
 
 # trainer.micro_batch_size and strategy.reshard_after_forward: resolved by the memory plan
-# before the run is built (dtrain.memory.search); precision.fp8_lm_head and fp8_scaling: by
-# the strategy's sharding (dtrain.precision.build_precision).
+# before the run is built (dtrain.memory.search).
 AUTO = "auto"
 # What the keys that take AUTO accept, said whole when a value is none of it (a type name such
 # as "true/false or a string" would not name auto).
 AUTO_CHOICES = {
     "strategy.reshard_after_forward": f"true, false or {AUTO}",
     "trainer.micro_batch_size": f"a positive integer or {AUTO}",
-    "precision.fp8_lm_head": f"true, false or {AUTO}",
 }
 
 # DDP's default bucket size, not torch's 25 MB: Dynamo splits the compiled graph at every bucket
@@ -125,9 +123,8 @@ class PrecisionConfig:
     # (torchtitan's default).
     fp8_all_gather: bool | None = None
     # precision=fp8: the LM head's matmuls in fp8 too (its weight is the tied embedding's);
-    # strategies that do not shard weights only (single, ddp). auto: there, where the
-    # vocabulary and d_model are multiples of 16 (dtrain.precision.resolve_fp8_auto says why)
-    fp8_lm_head: bool | str = AUTO
+    # strategies that do not shard weights only (single, ddp)
+    fp8_lm_head: bool = False
     # precision=fp8: which GEMMs accumulate in fp8's fast (unpromoted) mode: the forward one
     # (torchao's recipe: the backward ones promote to fp32), grad_input too, or all
     fp8_fast_accum: Fp8FastAccum = "forward"
@@ -135,7 +132,8 @@ class PrecisionConfig:
     # amax (dynamic: two passes over it) or from the last fp8_amax_history steps' (delayed:
     # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py); auto:
     # delayed where parameters are whole (single, ddp), dynamic where they are sharded
-    fp8_scaling: Fp8Scaling = AUTO
+    # (dtrain.precision.resolve_fp8_scaling says why)
+    fp8_scaling: Fp8Scaling = "auto"
     fp8_amax_history: int = 16
     # precision=int8: grad_weight matmul in int8 | int8_grouped | bf16 (SwitchBack); None: default
     int8_grad_weight: str | None = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,8 +25,6 @@ from torch import nn
 
 from dtrain.config import AUTO, PrecisionConfig
 from dtrain.errors import ConfigError
-
-log = logging.getLogger("dtrain")
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,6 @@ class Precision:
     fp8_emulate: bool = False
     fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
     fp8_lm_head: bool = False  # the LM head in fp8 too
-    # fp8_lm_head came from precision.fp8_lm_head=auto: a head fp8 GEMMs cannot take (its
-    # vocabulary or width not a multiple of 16) stays bf16 instead of being refused.
-    fp8_lm_head_auto: bool = False
     fp8_fast_accum: str = "forward"  # which GEMMs accumulate fast: forward, grad_input, all
     fp8_scaling: str = "dynamic"  # inputs' and gradients' scales: dynamic or delayed
     fp8_amax_history: int = 16  # delayed: the steps of amax a scale is taken from
@@ -181,7 +175,7 @@ def build_precision(
     `check_device=False` (the planner, which plans for a GPU it does not run on) checks the
     values only: not this machine's hardware or installed extras. `shards_params`: the
     strategy holds a shard of each parameter (Strategy.shards_params), which decides
-    precision.fp8_lm_head=auto and fp8_scaling=auto (resolve_fp8_auto)."""
+    precision.fp8_scaling=auto (resolve_fp8_scaling)."""
     if cfg.name not in PRECISIONS:
         raise ConfigError(
             f"unknown precision '{cfg.name}'; valid choices: {', '.join(sorted(PRECISIONS))}"
@@ -227,10 +221,7 @@ def build_precision(
             f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
             f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
         )
-    if p.quantize == "fp8":
-        cfg, head_auto = resolve_fp8_auto(cfg, shards_params)
-    else:  # the check above leaves these keys at auto here: off
-        cfg, head_auto = replace(cfg, fp8_scaling="dynamic", fp8_lm_head=False), False
+    cfg = replace(cfg, fp8_scaling=resolve_fp8_scaling(cfg, p.quantize == "fp8", shards_params))
     if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
         raise ConfigError(
             f"precision.fp8_scaling=delayed applies to precision.fp8_recipe=tensorwise only "
@@ -252,7 +243,6 @@ def build_precision(
         fp8_emulate=cfg.fp8_emulate,
         fp8_all_gather=cfg.fp8_all_gather,
         fp8_lm_head=cfg.fp8_lm_head,
-        fp8_lm_head_auto=head_auto,
         fp8_fast_accum=cfg.fp8_fast_accum,
         fp8_scaling=cfg.fp8_scaling,
         fp8_amax_history=cfg.fp8_amax_history,
@@ -262,38 +252,31 @@ def build_precision(
     )
 
 
-def resolve_fp8_auto(cfg: PrecisionConfig, shards_params: bool) -> tuple[PrecisionConfig, bool]:
-    """(`cfg` with precision.fp8_scaling=auto and fp8_lm_head=auto decided, whether the head
-    came from auto) for a strategy that does or does not (`shards_params`) shard parameters.
+def resolve_fp8_scaling(cfg: PrecisionConfig, fp8: bool, shards_params: bool) -> str:
+    """precision.fp8_scaling as set, or for auto: delayed where `fp8` trains with whole
+    parameters (single, ddp) and tensorwise scales, else dynamic (what every precision but fp8
+    reads as none).
 
-    auto is the fastest measured: delayed scaling and the LM head in fp8 where parameters are
-    whole (single, ddp) and scales tensorwise; dynamic scaling and a bf16 head elsewhere. At
-    1b on one H200 (thirty-seventh session, docs/precision.md) the first ran 1.270x bf16's
-    tokens/s against dynamic fp8's 1.193x in the same call. Sharded, the head cannot be fp8
-    (check_strategy), and delayed scaling ran 0.986x dynamic's at 8b under fsdp on 2x H200
-    (twenty-fourth session)."""
-    fast = not shards_params and cfg.fp8_recipe == "tensorwise"
-    scaling = cfg.fp8_scaling if cfg.fp8_scaling != AUTO else ("delayed" if fast else "dynamic")
-    head_auto = cfg.fp8_lm_head == AUTO
-    head = fast if head_auto else cfg.fp8_lm_head
-    return replace(cfg, fp8_scaling=scaling, fp8_lm_head=head), head_auto and head
+    Whole, delayed was the faster in every call that ran both: at 1b on one H200, 1.242x
+    bf16's tokens/s against dynamic's 1.188x in one call (twenty-third session), 1.240-1.246x
+    in three more, with the loss at 350m -1.8% and +0.5% against bf16's (two seeds). It is
+    Transformer Engine's recipe. Under fsdp at 8b it ran 0.986x dynamic's on 2x H200
+    (twenty-fourth session), so sharded parameters keep dynamic scales."""
+    if cfg.fp8_scaling != AUTO:
+        return cfg.fp8_scaling
+    return "delayed" if fp8 and not shards_params and cfg.fp8_recipe == "tensorwise" else "dynamic"
 
 
-def fp8_auto_note(cfg: PrecisionConfig, precision: Precision, shards_params: bool) -> str | None:
-    """One line saying what precision.fp8_scaling=auto and fp8_lm_head=auto became for this
-    run (resolve_fp8_auto), or None where neither was left to auto or the precision is not
-    fp8."""
-    if precision.quantize != "fp8":
-        return None
-    said = []
-    if cfg.fp8_scaling == AUTO:
-        said.append(f"precision.fp8_scaling=auto: {precision.fp8_scaling}")
-    if cfg.fp8_lm_head == AUTO:
-        said.append(f"precision.fp8_lm_head=auto: {str(precision.fp8_lm_head).lower()}")
-    if not said:
+def fp8_scaling_note(cfg: PrecisionConfig, precision: Precision, shards_params: bool) -> str | None:
+    """One start-up line saying what precision.fp8_scaling=auto became (resolve_fp8_scaling),
+    or None where it was set or the precision is not fp8."""
+    if precision.quantize != "fp8" or cfg.fp8_scaling != AUTO:
         return None
     where = "sharded" if shards_params else f"whole, {precision.fp8_recipe} scales"
-    return f"{'; '.join(said)} (parameters {where}; docs/precision.md says why)"
+    return (
+        f"precision.fp8_scaling=auto: {precision.fp8_scaling} (parameters {where}; "
+        'docs/precision.md, "Delayed scaling")'
+    )
 
 
 def _reduce_dtype(cfg: PrecisionConfig, p: Precision) -> torch.dtype | None:
@@ -395,24 +378,15 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
         from dtrain.lowp.fp8 import apply_fp8, fp8_shape_ok
 
         head = getattr(module, "output", None)
-        fp8_head = precision.fp8_lm_head
-        if fp8_head and isinstance(head, nn.Linear) and not fp8_shape_ok(head):
-            shape = f"{head.in_features} x {head.out_features}"
-            if not precision.fp8_lm_head_auto:
-                raise ConfigError(
-                    f"precision.fp8_lm_head=true needs the vocabulary and d_model divisible by "
-                    f"16 (fp8 GEMMs); this head is {shape}: pad model.vocab_size to a multiple "
-                    "of 16 (e.g. 64), or remove it"
-                )
-            fp8_head = False  # auto takes the head only where fp8 GEMMs can
-            log.info(
-                "precision.fp8_lm_head=auto: the LM head (%s) stays bf16: fp8 GEMMs "
-                "need both sides multiples of 16",
-                shape,
+        if precision.fp8_lm_head and isinstance(head, nn.Linear) and not fp8_shape_ok(head):
+            raise ConfigError(
+                f"precision.fp8_lm_head=true needs the vocabulary and d_model divisible by 16 "
+                f"(fp8 GEMMs); this head is {head.in_features} x {head.out_features}: pad "
+                "model.vocab_size to a multiple of 16 (e.g. 64), or remove it"
             )
         apply_fp8(
             module,
-            block_and_head_filter if fp8_head else block_linear_filter,
+            block_and_head_filter if precision.fp8_lm_head else block_linear_filter,
             recipe=precision.fp8_recipe,
             fast_accum=precision.fp8_fast_accum,
             scaling=precision.fp8_scaling,

@@ -32,7 +32,7 @@ from dtrain.metrics import MetricsWriter, peak_flops
 from dtrain.model import count_params, flops_per_token
 from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import short_warmup_warning
-from dtrain.precision import Precision, build_precision, fp8_auto_note
+from dtrain.precision import Precision, build_precision, fp8_scaling_note
 from dtrain.profiling import StepProfiler
 from dtrain.reporting.summary import run_hparams
 from dtrain.reporting.tensorboard import run_name
@@ -107,7 +107,7 @@ def build_run(
     chosen = strategy_class(cfg.strategy.name)
     sharded = chosen.shards_params(cfg.strategy.name)
     precision = build_precision(cfg.precision, env.device, shards_params=sharded)
-    if note := fp8_auto_note(cfg.precision, precision, sharded):
+    if note := fp8_scaling_note(cfg.precision, precision, sharded):
         log.info("%s", note)
     precision.apply_backend_flags(env.device)
     # The strategy's refusals come before the data is built; the strategy itself is built once
