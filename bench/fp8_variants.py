@@ -6,7 +6,9 @@ torch.compile of the model), runs forward and backward at micro-batch 8 x seq 20
 variant runs in a process of its own (Inductor's settings are read at import) and prints one
 JSON line: ms per forward+backward and its top kernels from the profiler.
 
-Variants (VARIANTS below): bf16; fp8 as dtrain trains it; fp8 with one change each: an Inductor
+Variants (VARIANTS below): bf16; fp8 with dynamic scales (as dtrain trains it where parameters
+are sharded; one GPU has taken delayed scaling by default since the thirty-seventh session:
+the fp8_delayed variant); that fp8 with one change each: an Inductor
 setting (cooperative reductions, autotuned pointwise/reduction kernels, multi-kernel), torchao's
 fast accumulation in both backward GEMMs or in the grad-input one only, the LM head in fp8 too
 (alone, and with fast grad-input accumulation), or the weight-gradient GEMM
@@ -50,7 +52,11 @@ VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, bool | str], str]] = {
     "fp8_head": ("fp8", {}, {"fp8_lm_head": True}, ""),
     "fp8_head_fastgi": ("fp8", {}, {"fp8_lm_head": True, "fp8_fast_accum": "grad_input"}, ""),
     "fp8_gwbf16": ("fp8", {}, {}, "gwbf16"),
+    "fp8_delayed": ("fp8", {}, {"fp8_scaling": "delayed"}, ""),
 }
+# The fp8 variants' scales unless a variant names them: dynamic, the base the others were
+# measured against (precision.fp8_scaling=auto would take delayed on one GPU).
+FP8_BASE = {"fp8_scaling": "dynamic"}
 
 
 def patch_grad_weight_bf16() -> None:
@@ -85,8 +91,10 @@ def build_variant(name: str, model: torch.nn.Module, device: torch.device):
     prec_name, _, options, change = VARIANTS[name]
     if change == "gwbf16":
         patch_grad_weight_bf16()
-    emulate = {"fp8_emulate": True} if prec_name == "fp8" and device.type == "cpu" else {}
-    precision = build_precision(PrecisionConfig(name=prec_name, **options, **emulate), device)
+    fp8 = prec_name == "fp8"
+    emulate = {"fp8_emulate": True} if fp8 and device.type == "cpu" else {}
+    options = {**(FP8_BASE if fp8 else {}), **options, **emulate}
+    precision = build_precision(PrecisionConfig(name=prec_name, **options), device)
     apply_precision(model, precision)
     return precision
 

@@ -150,9 +150,10 @@ PRECISIONS: dict[str, Precision] = {
         _F32,
         _F32,
         quantize="fp8",
-        quantized=f"{_BLOCK_LINEARS}: torchao float8 training, dynamic scales (or, with "
-        "fp8_scaling=delayed, inputs' and gradients' from the last steps' amax); e4m3 inputs and "
-        "weights, gradients e5m2 (tensorwise) or e4m3 (rowwise)",
+        quantized=f"{_BLOCK_LINEARS}: torchao float8 training; inputs' and gradients' scales "
+        "from the last steps' amax where parameters are whole (fp8_scaling=auto: delayed on "
+        "single and ddp), from each tensor's own under sharding (dynamic); weights' always "
+        "their own; e4m3 inputs and weights, gradients e5m2 (tensorwise) or e4m3 (rowwise)",
         summary="fp8 matmuls through torchao.float8 (H100/H200), bf16 elsewhere",
     ),
 }
@@ -221,6 +222,7 @@ def build_precision(
             f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
             f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
         )
+    asked = cfg.fp8_scaling
     cfg = replace(cfg, fp8_scaling=resolve_fp8_scaling(cfg, p.quantize == "fp8", shards_params))
     if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
         raise ConfigError(
@@ -230,8 +232,9 @@ def build_precision(
     if cfg.fp8_amax_history != PrecisionConfig.fp8_amax_history and cfg.fp8_scaling != "delayed":
         raise ConfigError(
             "precision.fp8_amax_history applies to precision.fp8_scaling=delayed only "
-            f"(fp8_scaling={cfg.fp8_scaling} takes each scale from its own tensor); remove it "
-            "or set precision.fp8_scaling=delayed"
+            f"(fp8_scaling={asked} takes each scale from its own tensor"
+            + (" where parameters are sharded or scales rowwise" if asked == AUTO else "")
+            + "); remove it or set precision.fp8_scaling=delayed"
         )
     reduce_dtype = _reduce_dtype(cfg, p)
     return replace(

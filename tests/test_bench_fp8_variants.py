@@ -39,11 +39,18 @@ def test_each_variant_builds_what_it_names(monkeypatch):
         "fp8_fastgi",
         "fp8_head_fastgi",
         "fp8_gwbf16",
+        "fp8_delayed",
     ):
         model = build_model(cfg, cpu)
         fv.build_variant(name, model, cpu)
         built[name] = _fp8(model)
-    assert built["bf16"] == {} and len(built["fp8"]) == 7
+    assert built["bf16"] == {} and len(built["fp8"]) == 7 and built["fp8_delayed"] == {}
+    # the base of the others is dynamic scaling; fp8_delayed builds dtrain's delayed linears
+    model = build_model(cfg, cpu)
+    delayed = fv.build_variant("fp8_delayed", model, cpu)
+    dynamic = fv.build_variant("fp8", build_model(cfg, cpu), cpu)
+    assert (delayed.fp8_scaling, dynamic.fp8_scaling) == ("delayed", "dynamic")
+    assert sum(type(m).__name__ == "DelayedFloat8Linear" for m in model.modules()) == 7
     assert set(built["fp8_head"]) == set(built["fp8"]) | {"output"}
     assert set(built["fp8_head_fastgi"]) == set(built["fp8_head"])
     for name, mods in built.items():

@@ -8,12 +8,14 @@ its state; and training runs through the command line and resumes."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dtrain.config import OptimConfig, PrecisionConfig, StrategyConfig
 from dtrain.dist import DistEnv
+from dtrain.errors import ConfigError
 from dtrain.precision import build_precision
 from dtrain.strategies.single import SingleStrategy
 from tests.test_fp8_layout import fp8_block
@@ -190,7 +192,11 @@ def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):
     opts = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
     every = [*STEPS, "trainer.log_every=1"]
     losses = [loss for _, loss in train(tmp_path / "d", *opts, *every)["losses"]]
-    dynamic = [loss for _, loss in train(tmp_path / "s", *opts[:2], *every)["losses"]]
+    dynamic_opts = [*opts[:2], "precision.fp8_scaling=dynamic"]
+    dynamic = [loss for _, loss in train(tmp_path / "s", *dynamic_opts, *every)["losses"]]
+    # precision.fp8_scaling=auto, the default, is delayed on one rank: the same losses
+    default = [loss for _, loss in train(tmp_path / "a", *opts[:2], *every)["losses"]]
+    assert default == losses
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[0] == dynamic[0] and losses[1] != dynamic[1]  # step 1 dynamic, then delayed
     assert abs(losses[-1] - dynamic[-1]) / dynamic[-1] < 0.05, (losses, dynamic)
@@ -269,3 +275,39 @@ def test_a_linear_with_bias_adds_it_as_torchaos_does():
     fp8_delayed.DelayedScaling(fp8_delayed.install_delayed_scaling(twin, 4), "cpu", compiled=False)
     x = torch.randn(16, 64)
     assert torch.equal(twin(x), model(x))  # first step dynamic: torchao's bits, bias included
+
+
+def test_fp8_scaling_auto_is_delayed_where_parameters_are_whole():
+    """precision.fp8_scaling=auto (the default) takes delayed scaling under the strategies that
+    keep whole parameters (single, ddp) with tensorwise scales, dynamic under those that shard
+    them (fsdp, hsdp, zero3) or with rowwise scales; a value set is kept; every precision but
+    fp8 reads it as dynamic (none). One start-up line says what auto became."""
+    from dtrain.precision import fp8_scaling_note
+    from dtrain.strategies import STRATEGIES
+
+    sharded = {name for name, cls in STRATEGIES.items() if cls.shards_params(name)}
+    assert sharded == {"fsdp", "hsdp", "zero3"}
+    fp8 = PrecisionConfig(name="fp8", fp8_emulate=True)
+    cpu = torch.device("cpu")
+    for name in STRATEGIES:
+        p = build_precision(fp8, cpu, shards_params=name in sharded)
+        assert p.fp8_scaling == ("dynamic" if name in sharded else "delayed"), name
+    rowwise = build_precision(replace(fp8, fp8_recipe="rowwise"), cpu)
+    assert rowwise.fp8_scaling == "dynamic"
+    for scaling in ("dynamic", "delayed"):
+        for shards in (False, True):
+            set_ = build_precision(replace(fp8, fp8_scaling=scaling), cpu, shards_params=shards)
+            assert set_.fp8_scaling == scaling
+    assert build_precision(PrecisionConfig(name="bf16"), cpu).fp8_scaling == "dynamic"
+    whole = build_precision(fp8, cpu)
+    assert fp8_scaling_note(fp8, whole, False) == (
+        "precision.fp8_scaling=auto: delayed (parameters whole, tensorwise scales; "
+        'docs/precision.md, "Delayed scaling")'
+    )
+    note = fp8_scaling_note(fp8, build_precision(fp8, cpu, shards_params=True), True)
+    assert note.startswith("precision.fp8_scaling=auto: dynamic (parameters sharded")
+    assert fp8_scaling_note(replace(fp8, fp8_scaling="delayed"), whole, False) is None
+    # under fsdp a history length is refused: auto scales dynamically there
+    with pytest.raises(ConfigError, match="applies to precision.fp8_scaling=delayed only"):
+        build_precision(replace(fp8, fp8_amax_history=4), cpu, shards_params=True)
+    build_precision(replace(fp8, fp8_amax_history=4), cpu)  # delayed on one rank: taken

@@ -342,7 +342,8 @@ def test_bf16_true_keeps_params_grads_and_optimizer_states_in_bf16():
     "precision,extra,module_type",
     [
         ("int8", [], "Int8Linear"),
-        ("fp8", ["precision.fp8_emulate=true"], "Float8Linear"),
+        # tensorwise on one rank: precision.fp8_scaling=auto takes delayed scaling
+        ("fp8", ["precision.fp8_emulate=true"], "DelayedFloat8Linear"),
         ("fp8", ["precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"], "Float8Linear"),
         ("int8-torchao", [], "Int8MixedPrecisionTrainingLinear"),
     ],
@@ -353,7 +354,8 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
     losses = [loss for _, loss in out["losses"]]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     model = build_model(TINY, CPU)
-    cfg = PrecisionConfig(name=precision, fp8_emulate=True)
+    recipe = "rowwise" if "precision.fp8_recipe=rowwise" in extra else "tensorwise"
+    cfg = PrecisionConfig(name=precision, fp8_emulate=True, fp8_recipe=recipe)
     apply_precision(model, build_precision(cfg, CPU))
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.startswith("layers.")}
     assert module_type in kinds and "Linear" not in kinds
@@ -377,7 +379,9 @@ def test_fp8_lm_head_and_fast_accum_take_their_paths(head, fast, fast_gi, fast_g
     tied = replace(TINY, tie_embeddings=True)
     x, y = _batch()
     model = build_model(tied, CPU, seed=0)
-    cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=fast)
+    cfg = PrecisionConfig(
+        name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=fast, fp8_scaling="dynamic"
+    )
     apply_precision(model, build_precision(cfg, CPU))
     assert (type(model.output).__name__ == "Float8Linear") is head
     assert model.output.weight is model.tok_embeddings.weight
@@ -456,7 +460,7 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
         (["precision=fp8", "precision.fp8_fast_accum=true"], "choose forward, grad_input, all"),
         (["precision=bf16", "+precision.fp8_scaling=delayed"], "precision=fp8 only"),
         (["precision=int8", "+precision.fp8_amax_history=4"], "precision=fp8 only"),
-        (["precision=fp8", "precision.fp8_scaling=late"], "choose dynamic or delayed"),
+        (["precision=fp8", "precision.fp8_scaling=late"], "choose auto, dynamic, delayed"),
         (
             ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_recipe=rowwise"]
             + ["precision.fp8_scaling=delayed"],
@@ -468,7 +472,12 @@ def test_optimizer_8bit_has_8bit_states(monkeypatch):
             "fp8_amax_history must be > 0, got 0",
         ),
         (
-            ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_amax_history=4"],
+            [
+                "precision=fp8",
+                "precision.fp8_emulate=true",
+                "precision.fp8_scaling=dynamic",
+                "precision.fp8_amax_history=4",
+            ],
             "applies to precision.fp8_scaling=delayed only",
         ),
         (
