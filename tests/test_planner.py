@@ -283,6 +283,24 @@ def test_delayed_fp8_scaling_is_planned_one_cast_pass_lighter():
     assert plan_speed(m, dynamic, free).compute_s == plan_speed(m, delayed, free).compute_s
 
 
+def test_the_search_prices_fp8_as_each_strategy_scales_it():
+    """objective=fastest's candidates build fp8 as a run of their strategy does: delayed scales
+    where parameters are whole (single, ddp), dynamic under fsdp; a single-GPU fp8 candidate's
+    tokens/s is the plan of `precision=fp8` itself at that micro-batch."""
+    machine = datasheet_machine(H100)
+    want = {"single": "delayed", "ddp": "delayed", "fsdp": "dynamic", "hsdp": "dynamic"}
+    for world, strategies in ((1, {"single"}), (2, {"ddp", "fsdp"})):
+        cfg, base = _setup("precision=bf16", "trainer.micro_batch_size=1", world=world)
+        ranked, _ = search(cfg.model, base, machine, 80 * GiB, precisions=["fp8"])
+        scaling = {c.setup.strategy: c.setup.precision.fp8_scaling for c in ranked}
+        assert strategies <= set(scaling) and all(want[s] == v for s, v in scaling.items())
+        if world == 1:
+            first = ranked[0]
+    m, run = _setup(*FP8_SINGLE, f"trainer.micro_batch_size={first.setup.micro_batch_size}")
+    planned = plan_speed(m.model, run, machine).tokens_per_s_per_gpu
+    assert first.tokens_per_s == pytest.approx(planned, rel=1e-9)
+
+
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():
     """precision=fp8 (tensorwise) under fsdp all-gathers the block linears' weights in fp8;
     with precision.fp8_all_gather=false they travel in bf16, as bf16's do."""

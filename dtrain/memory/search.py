@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from dtrain.config import AUTO, StrategyConfig
+from dtrain.config import AUTO, PrecisionConfig, StrategyConfig
 from dtrain.errors import ConfigError, UserError
 from dtrain.hardware import GiB
 from dtrain.memory.machine import Machine
 from dtrain.memory.plan import MemoryPlan, largest_micro_batch, plan_memory
-from dtrain.memory.setup import MemorySetup, planned_config
+from dtrain.memory.setup import MemorySetup, planned_config, precision_for
 from dtrain.memory.speed import QUANT_SPEED, SpeedPlan, plan_speed
 from dtrain.model import ModelConfig
 from dtrain.precision import PRECISIONS
@@ -114,7 +114,7 @@ def _variants(name: str, world_size: int, precisions, machine: Machine):
     if "replicate_degree" in cls.options:
         degrees += [r for r in range(2, world_size) if world_size % r == 0]
     for p in accepts:
-        pr = PRECISIONS[p]
+        pr = precision_for(PrecisionConfig(name=p), name)  # as a run of `name` builds it
         q = QUANT_SPEED.get(pr.quantize)
         if q is not None and not machine.peak_flops.get(q.kind):
             continue  # no tensor cores for it on this GPU

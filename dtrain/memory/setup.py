@@ -126,17 +126,20 @@ def resolve_vocab(cfg) -> int:
 def plan_precision(cfg):
     """The run's Precision, built for the planned device rather than this machine's, so fp8
     and fp16 plan on a laptop too."""
+    from dtrain.config import PrecisionConfig
+
+    return precision_for(PrecisionConfig(**cfg.precision.__dict__), cfg.strategy.name)
+
+
+def precision_for(pcfg, strategy: str):
+    """The Precision a run of `strategy` builds from `pcfg` (precision.fp8_scaling=auto resolves
+    by whether the strategy shards its parameters), checked for values only."""
     import torch
 
-    from dtrain.config import PrecisionConfig
     from dtrain.precision import build_precision
 
-    return build_precision(
-        PrecisionConfig(**cfg.precision.__dict__),
-        torch.device("cpu"),
-        check_device=False,
-        shards_params=strategy_class(cfg.strategy.name).shards_params(cfg.strategy.name),
-    )
+    shards = strategy_class(strategy).shards_params(strategy)
+    return build_precision(pcfg, torch.device("cpu"), check_device=False, shards_params=shards)
 
 
 def planned_config(cfg, world_size: int, device: str = "cuda", rank: int = 0):
