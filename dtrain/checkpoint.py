@@ -5,7 +5,8 @@ Layout of one checkpoint (torch.distributed.checkpoint, one shard file per rank)
     checkpoints/step_0000100/
         __0_0.distcp ...      model + optimizer shards (DCP)
         .metadata             DCP's index of the shards
-        extra_rank{r}.pt      per-rank RNG states (weights_only-loadable)
+        extra_rank{r}.pt      per-rank RNG state and the rank's own state, e.g. fp8 delayed
+                              scaling's amax histories (weights_only-loadable)
         manifest.json         step, run identity, data position, sha256 of every file
         COMPLETE              the marker, written last: the sha256 of manifest.json
                               (`sha256sum -c COMPLETE` in the folder checks it)
@@ -520,10 +521,12 @@ class CheckpointManager:
         *,
         started: float | None = None,
         snapshot_s: float | None = None,
+        rank_state: dict | None = None,
     ) -> Saved:
         """Save `state` (DCP state dict) at `step`; returns a Saved. Collective: every rank
         calls it. `started`: when the caller began preparing the save (time.perf_counter()),
-        counted in the stall; `snapshot_s`: how much of that went to taking the state.
+        counted in the stall; `snapshot_s`: how much of that went to taking the state;
+        `rank_state`: this rank's own (tensors and plain values), kept with its RNG state.
 
         An OS error on any rank (disk full, read-only or vanished folder) becomes a
         CheckpointSaveError on every rank, after the .partial folder is removed; the
@@ -544,7 +547,7 @@ class CheckpointManager:
             dcp.save(state, storage_writer=_storage_writer(partial, step))
             dcp_s = time.perf_counter() - t0
 
-        result = err or self._write_rank_files(step, write, rng_state())
+        result = err or self._write_rank_files(step, write, rng_state(), rank_state)
         path = self._commit(step, result, manifest)
         took = time.perf_counter() - started
         return Saved(step, path, False, took, took, snapshot_s=snapshot_s, dcp_s=dcp_s)
@@ -557,10 +560,12 @@ class CheckpointManager:
         *,
         started: float | None = None,
         snapshot_s: float | None = None,
+        rank_state: dict | None = None,
     ) -> None:
         """Start saving `state` at `step` in the background; the loop goes on once the state
         is copied to host memory (DCP's staging). What is saved is this step's: the tensors
-        are copied, the RNG state and the manifest (the data position) taken now. Collective.
+        are copied, the RNG state and the manifest (the data position) taken now, and
+        `rank_state` must be a host copy (as save()'s). Collective.
 
         The checkpoint is complete (COMPLETE written, folder renamed) only after every rank's
         files are written and fsynced; poll() or finish() report it, or raise the same
@@ -614,7 +619,7 @@ class CheckpointManager:
             written.set_exception(e.with_traceback(None))  # no cycle through this frame
 
         def finish() -> tuple[Path, float]:
-            result = self._write_rank_files(step, written.result, rng)
+            result = self._write_rank_files(step, written.result, rng, rank_state)
             return self._commit(step, result, manifest, group=self._group), time.perf_counter()
 
         future = self._executor.submit(finish)
@@ -700,7 +705,7 @@ class CheckpointManager:
         err = ddist.broadcast_object(err)  # also the barrier before anyone writes
         return partial, err
 
-    def _write_rank_files(self, step: int, write, rng: dict) -> dict | str:
+    def _write_rank_files(self, step: int, write, rng: dict, rank_state: dict | None) -> dict | str:
         """This rank's part: `write()` (DCP's shards), then extra_rank{r}.pt; each file
         fsynced and hashed. {name: (sha256, size)}, or one line naming an OS-level failure
         (anything else is a bug, and raises)."""
@@ -711,7 +716,7 @@ class CheckpointManager:
             write()
             faults.point("ckpt.save.after_dcp", step=step)
             extra_path = partial / f"extra_rank{self.rank}.pt"
-            torch.save({"rng": rng}, extra_path)
+            torch.save({"rng": rng, "rank": rank_state or {}}, extra_path)
             faults.point("ckpt.save.after_extra", step=step)
             mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
             return {p.name: _synced_hash(p) for p in mine}
@@ -868,8 +873,11 @@ class CheckpointManager:
         rank, world = self.rank, self.world_size
         check_checkpoint(path, manifest, files=self.cfg.verify, rank=rank, world_size=world)
 
-    def load(self, path: Path, state: dict) -> dict:
-        """Load into `state` (a DCP state dict template) in place; return the manifest."""
+    def load(self, path: Path, state: dict) -> tuple[dict, dict | None]:
+        """Load into `state` (a DCP state dict template) in place and restore this rank's RNG
+        state; return the manifest and this rank's own state (save()'s `rank_state`), None
+        where the checkpoint has none for it: saved by another number of ranks (its RNG state
+        is then not restored either), or by a dtrain that kept only RNG states."""
         from dtrain.safe_load import load_into
 
         path = Path(path)
@@ -878,9 +886,11 @@ class CheckpointManager:
             self._check(path, manifest)
         load_into(path, state)
         extra = path / f"extra_rank{self.rank}.pt"
+        rank_state = None
         if manifest.get("world_size") == self.world_size and extra.exists():
             try:  # weights_only: tensors and plain containers, never arbitrary objects
-                rng = torch.load(extra, weights_only=True)["rng"]
+                saved = torch.load(extra, weights_only=True)
+                rng, rank_state = saved["rng"], saved.get("rank") or None
             except Exception as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise CheckpointError(
@@ -888,7 +898,7 @@ class CheckpointManager:
                     f"unpickle it ({first})"
                 ) from None
             set_rng_state(rng)
-        return manifest
+        return manifest, rank_state
 
     def trust(self, path: Path) -> None:
         """Count `path` as verified, e.g. by rank 0's find_resumable: load() does not hash it

@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -399,6 +400,22 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
         )
 
 
+class RankState(Protocol):
+    """State a precision keeps per rank (each rank's from its own data), saved in the rank's
+    own file of a checkpoint: fp8 delayed scaling's amax histories (lowp/fp8_delayed)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict | None) -> str | None:
+        """None when restored, else why not (the state then stays as after_load left it)."""
+
+
+class PrecisionHooks(NamedTuple):
+    after_step: Callable[[], None] | None
+    after_load: Callable[[], None] | None
+    rank_state: RankState | None
+
+
 def precision_hooks(
     precision: Precision,
     module: nn.Module,
@@ -406,10 +423,11 @@ def precision_hooks(
     *,
     sharded: bool,
     compiled: bool = False,
-) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+) -> PrecisionHooks:
     """What must run after each optimizer step for `precision`, and after each checkpoint
-    load: (after_step, after_load), each None where nothing must. Build it once the model's
-    tensors are real (after fsdp's to_empty and init).
+    load: (after_step, after_load), each None where nothing must; and `rank_state`, the
+    precision's state that is each rank's own and goes into its file of a checkpoint, or None.
+    Build it once the model's tensors are real (after fsdp's to_empty and init).
 
     - fp8 with FSDP2's fp8 all-gather needs each weight's scale to be the same on every shard.
       Left to itself torchao computes it in the next forward with one all-reduce per linear (7
@@ -419,9 +437,10 @@ def precision_hooks(
       follows it runs as one compiled call (lowp/fp8.cast_shards).
     - precision.fp8_scaling=delayed pushes the step's amaxes into their histories after each
       step (compiled where the model is) and starts again from dynamic scales after a load
-      (lowp/fp8_delayed)."""
+      (lowp/fp8_delayed), unless the rank's saved histories are then loaded (rank_state)."""
     steps: list[Callable[[], None]] = []
     loads: list[Callable[[], None]] = []
+    delayed = None
     if precision.quantize == "fp8" and precision.fp8_scaling == "delayed":
         from dtrain.lowp.fp8_delayed import DelayedScaling
 
@@ -436,7 +455,7 @@ def precision_hooks(
 
         steps.append(precompute)
         loads.append(precompute)
-    return _run_all(steps), _run_all(loads)
+    return PrecisionHooks(_run_all(steps), _run_all(loads), delayed)
 
 
 def _run_all(hooks: list[Callable[[], None]]) -> Callable[[], None] | None:

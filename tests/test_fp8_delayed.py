@@ -162,8 +162,8 @@ def test_linears_that_read_one_tensor_share_its_state():
     assert not any("fp8" in k for k in twin.state_dict())  # never checkpointed
 
 
-def strategy(scaling: str) -> SingleStrategy:
-    cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_scaling=scaling)
+def strategy(scaling: str, **precision) -> SingleStrategy:
+    cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_scaling=scaling, **precision)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU)
     s = SingleStrategy(StrategyConfig(compile=False), build_precision(cfg, CPU), env)
     s.setup(TINY, OptimConfig(warmup_steps=0), seed=0)
@@ -186,6 +186,48 @@ def test_the_strategy_rolls_after_each_step_and_starts_again_after_a_load():
     assert strategy("dynamic").post_step is None  # nothing to roll with dynamic scales
 
 
+def test_a_resume_restores_each_ranks_history_and_a_mismatch_starts_dynamic(caplog):
+    s = strategy("delayed")
+    x = torch.randint(0, TINY.vocab_size, (2, 16))
+    s.forward_backward(x, x, last_micro=True, loss_div=1)
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    saved, mine = s.rank_state(), s.rank_local.states
+    assert saved["precision"]["delayed"] is True
+    assert len(saved["precision"]["history"]) == len(mine) == 11 * TINY.n_layer
+    assert "layers.0.attn.wq.fp8_input" in saved["precision"]["history"]
+
+    def resumed(*, rank_state, **precision):
+        other = strategy("delayed", **precision)
+        other.load_state_dict(s.state_dict())
+        other.load_rank_state(rank_state)
+        return other
+
+    back = resumed(rank_state=saved)
+    assert all(m.delayed for m in back.rank_local.linears)
+    for a, b in zip(back.rank_local.states, mine, strict=True):
+        assert torch.equal(a.history, b.history) and float(a.amax) == 0
+    # The next step of both is the same, bit for bit: the scales are the saved history's.
+    losses = []
+    for run in (s, back):
+        losses.append(run.forward_backward(x, x, last_micro=True, loss_div=1))
+        run.clip_and_step(lr=1e-3, grad_clip=1.0)
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a.history, b.history) for a, b in zip(back.rank_local.states, mine))
+
+    caplog.set_level("INFO", logger="dtrain")
+    for rank_state, why in [
+        (None, "holds no amax history for this rank"),
+        (saved, "is not this model's (22 sites, precision.fp8_amax_history=8)"),
+    ]:
+        caplog.clear()
+        history = 8 if rank_state else 16
+        other = resumed(rank_state=rank_state, fp8_amax_history=history)
+        assert not any(m.delayed for m in other.rank_local.linears)
+        assert all(float(st.history.abs().sum()) == 0 for st in other.rank_local.states)
+        assert "the first step after the resume scales dynamically" in caplog.text
+        assert why in caplog.text, caplog.text
+
+
 def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):
     from tests.test_precision import STEPS, train
 
@@ -200,15 +242,19 @@ def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[0] == dynamic[0] and losses[1] != dynamic[1]  # step 1 dynamic, then delayed
     assert abs(losses[-1] - dynamic[-1]) / dynamic[-1] < 0.05, (losses, dynamic)
-    resumed = train(tmp_path / "d", *opts, *every, "trainer.max_steps=6")["losses"]
-    assert [s for s, _ in resumed] == [5, 6] and torch.isfinite(torch.tensor(resumed)).all()
+    # Stopped after step 2 and resumed: the amax histories come back with the weights, so
+    # steps 3 and 4 are the uninterrupted run's, bit for bit (a dynamic step 3 would differ,
+    # as step 2 differs above).
+    train(tmp_path / "r", *opts, *every, "trainer.stop_at_step=2")
+    resumed = train(tmp_path / "r", *opts, *every)["losses"]
+    assert resumed == [(3, losses[2]), (4, losses[3])], (resumed, losses)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_delayed_fp8_trains_on_two_ranks(tmp_path, strategy):
     """ddp (each rank's amaxes its own: DDP does not broadcast them) and fsdp (the state is
     materialised by fsdp's to_empty, then reset): the same global batch trains as on one rank,
-    to fp8's noise (each rank scales its own half of the batch)."""
+    to fp8's noise (each rank scales its own half of the batch), and resumes bit for bit."""
     from tests.conftest import FAST, launch, train_losses
 
     steps = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
@@ -229,6 +275,21 @@ def test_delayed_fp8_trains_on_two_ranks(tmp_path, strategy):
     assert a[1] == pytest.approx(b[1], rel=1e-3)  # step 1: dynamic scales
     for step in (2, 3):
         assert a[step] == pytest.approx(b[step], rel=0.02), (a, b)
+    # Stopped after step 2 and resumed on both ranks: each rank's histories come back from its
+    # own file of the checkpoint, so step 3 is the uninterrupted run's, bit for bit.
+    for extra in ("trainer.stop_at_step=2", "resume=auto"):
+        again = launch(
+            *FAST,
+            *steps,
+            f"strategy={strategy}",
+            "trainer.micro_batch_size=4",
+            f"hydra.run.dir={tmp_path}/r",
+            extra,
+            nproc=2,
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+    assert train_losses(tmp_path / "r")[3] == b[3]
+    assert "scales dynamically" not in again.stderr
 
 
 def test_ddp_leaves_each_ranks_amaxes_alone_and_fsdp_zeroes_them(monkeypatch):

@@ -18,9 +18,13 @@ contributes to later steps is a row reduction in that same kernel (one pass: row
 the max of those). Weights keep torchao's dynamic scales (their amax is cheap, and under fsdp
 the precomputed one is already off the critical path).
 
-- The first step after start or a checkpoint load has no history: it scales dynamically
-  (torchao's numerics, bit for bit) and records the amaxes. The history is not checkpointed.
-  Flipping to delayed compiles the graphs once more.
+- The first step of a run has no history: it scales dynamically (torchao's numerics, bit for
+  bit) and records the amaxes. Flipping to delayed compiles the graphs once more. Each rank's
+  histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
+  `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was
+  never stopped, bit for bit, and one compile instead of two. A checkpoint without them
+  (from another number of ranks, or an older dtrain) starts again from dynamic scales, and
+  says so.
 - A value above the scale's range saturates at fp8's largest (torchao's saturated cast), as in
   Transformer Engine; the history's maximum keeps that rare.
 - Linears that read one tensor (a block's wq/wk/wv, w1/w3: `same_input` in dtrain/model.py)
@@ -52,8 +56,9 @@ def _scale(history: torch.Tensor, now: torch.Tensor | None, dtype: torch.dtype, 
 class _Fp8State(nn.Module):
     """One cast site's amax: `amax` (this step's so far; the max over micro-batches and over
     recomputation, which gives the same value again) and `history` (the last steps', newest
-    first). Buffers, not persistent: they follow the module to its device and never reach a
-    checkpoint."""
+    first). Buffers, not persistent: they follow the module to its device and stay out of the
+    model's state dict (it is the same on every rank; these are each rank's own):
+    DelayedScaling.state_dict() saves them."""
 
     def __init__(self, length: int, device):
         super().__init__()
@@ -156,12 +161,22 @@ class DelayedScaling:
     pushes every site's amax into its history (one compiled call for all of them where the
     model compiles) and turns delayed scaling on, once a step's amaxes were all finite;
     `reset()` after a checkpoint load drops the history, so the next step scales dynamically
-    and records again."""
+    and records again, unless `load_state_dict()` then restores the history saved with it.
+    `names`: each state's module name (`of` gives them), the keys of `state_dict()`."""
 
-    def __init__(self, linears: list[DelayedFloat8Linear], device, *, compiled: bool):
+    def __init__(
+        self,
+        linears: list[DelayedFloat8Linear],
+        device,
+        *,
+        compiled: bool,
+        names: dict[int, str] | None = None,
+    ):
         self.linears = linears
         states = {id(s): s for m in linears for s in (m.input_state(), m.fp8_grad)}
         self.states = list(states.values())
+        names = names or {}
+        self.names = [names.get(id(s), str(i)) for i, s in enumerate(self.states)]
         for s in self.states:  # fsdp's to_empty left them unset, and on the host if offloaded
             s.to(device)
         self._roll = torch.compile(_roll, dynamic=False) if compiled else _roll
@@ -170,7 +185,8 @@ class DelayedScaling:
     @classmethod
     def of(cls, module: nn.Module, device, *, compiled: bool) -> DelayedScaling:
         linears = [m for m in module.modules() if isinstance(m, DelayedFloat8Linear)]
-        return cls(linears, device, compiled=compiled)
+        names = {id(m): name for name, m in module.named_modules() if isinstance(m, _Fp8State)}
+        return cls(linears, device, compiled=compiled, names=names)
 
     def step(self) -> None:
         amaxes = [s.amax for s in self.states]
@@ -192,6 +208,45 @@ class DelayedScaling:
             s.history.zero_()
         for m in self.linears:
             m.delayed = False
+
+    def state_dict(self) -> dict:
+        """This rank's scaling state, on the host (a copy: an async save writes it while
+        training goes on): whether scales are delayed, and each site's history. A save comes
+        after an optimizer step, when every amax was rolled into its history and zeroed."""
+        delayed = bool(self.linears) and self.linears[0].delayed
+        history = {
+            name: s.history.detach().to("cpu", copy=True)
+            for name, s in zip(self.names, self.states, strict=True)
+        }
+        return {"delayed": delayed, "history": history}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict | None) -> str | None:
+        """Restore what state_dict() saved; None, or why it could not be (nothing saved, or
+        another model's or history length's sites): the state is then left reset, and the
+        next step scales dynamically."""
+        if not state:
+            return "the checkpoint holds no amax history for this rank"
+        saved = state.get("history")
+        mine = dict(zip(self.names, self.states, strict=True))
+        fits = isinstance(saved, dict) and saved.keys() == mine.keys()
+        fits = fits and all(
+            isinstance(saved[k], torch.Tensor) and saved[k].shape == s.history.shape
+            for k, s in mine.items()
+        )
+        if not fits or not isinstance(state.get("delayed"), bool):
+            n = len(saved) if isinstance(saved, dict) else 0
+            length = self.states[0].history.numel() if self.states else 0
+            return (
+                f"its amax history ({n} cast sites) is not this model's ({len(mine)} sites, "
+                f"precision.fp8_amax_history={length})"
+            )
+        for name, s in mine.items():
+            s.history.copy_(saved[name])
+            s.amax.zero_()
+        for m in self.linears:
+            m.delayed = state["delayed"]
+        return None
 
 
 def state_buffer_names(module: nn.Module) -> list[str]:

@@ -244,8 +244,9 @@ def load_state(
     model.init_from; nothing for a fresh run."""
     if resume is not None:
         state = strategy.state_dict()
-        manifest = ckpt.load(resume.path, state)
+        manifest, rank_state = ckpt.load(resume.path, state)
         strategy.load_state_dict(state)
+        strategy.load_rank_state(rank_state)
         try:
             stream.load_state_dict(manifest["data"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSON of the wrong shape

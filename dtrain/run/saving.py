@@ -33,7 +33,7 @@ class Saver:
         r, on_error = self.run, self.run.cfg.checkpoint.on_error
         self.settle(at_step)  # at most one save in flight
         started = time.perf_counter()  # the stall counts the snapshot and the check too
-        state = r.strategy.state_dict()
+        state, rank_state = r.strategy.state_dict(), r.strategy.rank_state()
         self._refuse_nonfinite(state, at_step, cause)
         # The stall's first part, apart from DCP's (Saved.dcp_s): an async save that stalls
         # nearly as long as a sync one then says which to look at.
@@ -45,11 +45,12 @@ class Saver:
             "precision": r.precision.name,
             "config": asdict(r.cfg),
         }
+        timing = {"started": started, "snapshot_s": snapshot_s}
         try:
             if not final and r.ckpt.use_async(state):  # a final save has nothing to overlap
-                r.ckpt.save_async(at_step, state, manifest, started=started, snapshot_s=snapshot_s)
+                r.ckpt.save_async(at_step, state, manifest, **timing, rank_state=rank_state)
                 return None
-            done = r.ckpt.save(at_step, state, manifest, started=started, snapshot_s=snapshot_s)
+            done = r.ckpt.save(at_step, state, manifest, **timing, rank_state=rank_state)
         except CheckpointSaveError as e:
             if on_error == "stop" or final:
                 raise

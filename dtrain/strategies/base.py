@@ -12,6 +12,7 @@ The defaults here are the single-device behaviour; a strategy overrides what dif
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -33,6 +34,8 @@ from dtrain.precision import (
     check_strategy,
     precision_hooks,
 )
+
+log = logging.getLogger("dtrain")
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,9 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
-        # The precision's work after each optimizer step and after each checkpoint load
-        # (precision_hooks), or None.
-        self.post_step = self.post_load = None
+        # The precision's work after each optimizer step and after each checkpoint load, and
+        # its state that is each rank's own (precision_hooks), or None.
+        self.post_step = self.post_load = self.rank_local = None
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
         # dtrain.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure(); with
         # fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
@@ -306,7 +309,7 @@ class Strategy:
             self.module, optim_cfg, self.precision, self.device
         )
         self.loss_scaler = build_loss_scaler(self.precision, self.device)
-        self.post_step, self.post_load = precision_hooks(
+        self.post_step, self.post_load, self.rank_local = precision_hooks(
             self.precision, self.module, self.device, sharded=False, compiled=self.compile_enabled
         )
 
@@ -421,6 +424,25 @@ class Strategy:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.post_load is not None:  # e.g. fp8's scales follow the weights just loaded
             self.post_load()
+
+    def rank_state(self) -> dict:
+        """What this rank alone holds and a resume needs, for its own file of a checkpoint
+        (extra_rank{r}.pt): fp8 delayed scaling's amax histories, each rank's from its own
+        data. {} where there is none."""
+        return {} if self.rank_local is None else {"precision": self.rank_local.state_dict()}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """After load_state_dict: this rank's rank_state() from the checkpoint, or None where
+        it has none for this rank (another world size, or saved by an older dtrain)."""
+        if self.rank_local is None:
+            return
+        why = self.rank_local.load_state_dict((state or {}).get("precision"))
+        if why is not None:
+            log.info(
+                "%s: the first step after the resume scales dynamically (%s)",
+                self.precision.name,
+                why,
+            )
 
     def unwrapped(self) -> nn.Module:
         """The plain model (for generation, attention maps and export)."""

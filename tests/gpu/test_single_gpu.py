@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, cli_env, launch
+from tests.conftest import ROOT, cli_env, launch, read_jsonl
 from tests.gpu.common import (
     EAGER,
     MEMORY_1B,
@@ -72,6 +72,34 @@ def test_resume_on_one_gpu_is_bit_exact(compile_, tmp_path, tmp_path_factory, re
     record(results, f"resume/single-{'compiled' if compile_ else 'eager'}", {"steps_differ": diff})
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert not diff, diff
+
+
+def test_fp8_resume_goes_on_delayed_bit_exact_and_compiles_once(tmp_path, results):
+    """precision=fp8 at its defaults (delayed scales on one GPU), compiled: the checkpoint
+    keeps the rank's amax histories, so the resumed run goes on with delayed scales (the
+    uninterrupted run's losses, bit for bit) and never compiles the first, dynamic step's
+    graphs (no recompile when scaling turns delayed)."""
+    args = merged("precision=fp8", "trainer.deterministic=true")
+    env = {**one_gpu_env(), "TORCH_LOGS": "recompiles"}
+
+    def go(name: str, *extra: str) -> tuple[dict, int]:
+        res = launch(*args, *extra, f"hydra.run.dir={tmp_path / name}", env_extra=env, timeout=900)
+        assert res.returncode == 0, res.stderr[-4000:]
+        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        return losses(records), res.stderr.count("Recompiling function")
+
+    straight, recompiled = go("straight")
+    go("resumed", "trainer.stop_at_step=15")
+    resumed, recompiled_resumed = go("resumed")
+    diff = {s: resumed[s] - straight[s] for s in range(16, STEPS + 1) if resumed[s] != straight[s]}
+    record(
+        results,
+        "resume/single-fp8-compiled",
+        {"steps_differ": diff, "recompiles": [recompiled, recompiled_resumed]},
+    )
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert not diff, diff
+    assert recompiled_resumed < recompiled, (recompiled, recompiled_resumed)
 
 
 def test_fp16_skips_an_injected_overflow_and_goes_on(tmp_path, results):
