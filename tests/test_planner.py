@@ -301,6 +301,22 @@ def test_the_search_prices_fp8_as_each_strategy_scales_it():
     assert first.tokens_per_s == pytest.approx(planned, rel=1e-9)
 
 
+def test_the_plan_says_what_fp8_scaling_auto_became_as_the_run_does():
+    """The plan's text prints precision.fp8_scaling=auto's choice in the run's start-up words,
+    after the header; set by hand, or with another precision, there is no such line."""
+    from dtrain.cli.plan import build_plan, render_text
+
+    def auto_lines(*args: str) -> list[str]:
+        text = render_text(build_plan(["model=1b", "profile=none", *args])).splitlines()
+        return [line for line in text if line.startswith("precision.fp8_scaling=auto")]
+
+    for strategy, chosen in (("ddp", "delayed (parameters whole"), ("fsdp", "dynamic (param")):
+        lines = auto_lines("precision=fp8", f"strategy={strategy}", "world_size=2")
+        assert len(lines) == 1 and lines[0].startswith(f"precision.fp8_scaling=auto: {chosen}")
+    assert auto_lines("precision=fp8", "precision.fp8_scaling=dynamic") == []
+    assert auto_lines("precision=bf16") == []
+
+
 def test_fp8_gathers_its_linear_weights_in_one_byte_unless_told_not_to():
     """precision=fp8 (tensorwise) under fsdp all-gathers the block linears' weights in fp8;
     with precision.fp8_all_gather=false they travel in bf16, as bf16's do."""

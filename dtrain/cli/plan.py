@@ -145,7 +145,8 @@ def checked_setup(cfg, world: int, gpu):
     from dtrain.data import check_world_size
     from dtrain.memory import plan_precision, resolve_vocab, setup_from_config
     from dtrain.memory.search import resolve_auto_options
-    from dtrain.strategies import STRATEGIES
+    from dtrain.precision import fp8_scaling_note
+    from dtrain.strategies import STRATEGIES, strategy_class
 
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=resolve_vocab(cfg)))
     precision = plan_precision(cfg)
@@ -154,6 +155,10 @@ def checked_setup(cfg, world: int, gpu):
         cls.check_config(cfg.strategy, precision, "cuda")
         cls.check_world(cfg.strategy, world)
     cfg, auto = resolve_auto_options(cfg, world, "cuda", gpu=gpu)
+    # precision.fp8_scaling=auto's choice, in the words of the run's start-up line
+    shards = strategy_class(cfg.strategy.name).shards_params(cfg.strategy.name)
+    if note := fp8_scaling_note(cfg.precision, precision, shards):
+        auto = [*auto, note]
     resolve_grad_accum(cfg.trainer, world)
     check_world_size(cfg.data, world)
     return cfg, precision, setup_from_config(cfg, precision, world, device="cuda"), auto
