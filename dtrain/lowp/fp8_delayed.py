@@ -214,18 +214,16 @@ class DelayedScaling:
         training goes on): whether scales are delayed, and each site's history. A save comes
         after an optimizer step, when every amax was rolled into its history and zeroed."""
         delayed = bool(self.linears) and self.linears[0].delayed
-        history = {
-            name: s.history.detach().to("cpu", copy=True)
-            for name, s in zip(self.names, self.states, strict=True)
-        }
-        return {"delayed": delayed, "history": history}
+        # One copy to the host for all of them (at 1b, 176 histories), not one per tensor.
+        host = torch.stack([s.history.detach() for s in self.states]).cpu() if self.states else []
+        return {"delayed": delayed, "history": dict(zip(self.names, host, strict=True))}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict | None) -> str | None:
         """Restore what state_dict() saved; None, or why it could not be (nothing saved, or
         another model's or history length's sites): the state is then left reset, and the
         next step scales dynamically."""
-        if not state:
+        if not isinstance(state, dict) or not state:
             return "the checkpoint holds no amax history for this rank"
         saved = state.get("history")
         mine = dict(zip(self.names, self.states, strict=True))

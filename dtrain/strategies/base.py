@@ -436,7 +436,9 @@ class Strategy:
         it has none for this rank (another world size, or saved by an older dtrain)."""
         if self.rank_local is None:
             return
-        why = self.rank_local.load_state_dict((state or {}).get("precision"))
+        why = self.rank_local.load_state_dict(
+            state.get("precision") if isinstance(state, dict) else None
+        )
         if why is not None:
             log.info(
                 "%s: the first step after the resume scales dynamically (%s)",
