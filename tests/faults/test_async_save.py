@@ -64,8 +64,24 @@ def _logged_step(run: Path) -> int:
     return step
 
 
-def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_path, monkeypatch):
-    train(tmp_path / "sync", *EVERY_4)
+# fp8's delayed scaling: each rank's amax histories, which steps 5 and 6 roll, are saved too.
+FP8_DELAYED = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_scaling=delayed"]
+
+
+def histories(run: Path, step: int) -> torch.Tensor | None:
+    """Rank 0's fp8 amax histories in the checkpoint of `step`, stacked; None where none."""
+    path = run / f"checkpoints/step_{step:07d}/extra_rank0.pt"
+    rank = torch.load(path, weights_only=True)["rank"]
+    return torch.stack(list(rank["precision"]["history"].values())) if rank else None
+
+
+@pytest.mark.parametrize("precision", [[], FP8_DELAYED], ids=["fp32", "fp8-delayed"])
+def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(
+    tmp_path, monkeypatch, precision
+):
+    if precision and importlib.util.find_spec("torchao") is None:
+        pytest.skip("fp8 needs torchao")
+    train(tmp_path / "sync", *EVERY_4, *precision)
 
     # DCP is about to write step 4's shards: hold it until the loop has trained steps 5 and 6,
     # which change every weight and moment in place. A loop that waited for the write would
@@ -81,7 +97,7 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
         real_point(name, step=step)
 
     monkeypatch.setattr(faults, "point", point)
-    train(tmp_path / "async", *EVERY_4, ASYNC)
+    train(tmp_path / "async", *EVERY_4, ASYNC, *precision)
     monkeypatch.setattr(faults, "point", real_point)
     assert writer_threads and writer_threads[0] != threading.main_thread().name
     recs = checkpoint_records(tmp_path / "async")
@@ -107,10 +123,15 @@ def test_async_checkpoint_is_the_save_steps_state_while_the_loop_goes_on(tmp_pat
         return json.loads(path.read_text())["data"]
 
     assert position("async") == position("sync")
+    # The rank's own state (fp8: the histories as step 4 left them, not as steps 5-6 rolled them)
+    for step in (4, 8):
+        a, b = histories(tmp_path / "async", step), histories(tmp_path / "sync", step)
+        assert (a is None) == (b is None) == (not precision)
+        assert a is None or (torch.equal(a, b) and float(a.abs().sum()) > 0), step
 
     # Resumed from the async checkpoint, the run trains on exactly as the synchronous one did.
     resume = f"resume={tmp_path}/async/checkpoints/step_0000004"
-    train(tmp_path / "resumed", *EVERY_4, ASYNC, resume)
+    train(tmp_path / "resumed", *EVERY_4, ASYNC, resume, *precision)
     a, b = train_losses(tmp_path / "sync"), train_losses(tmp_path / "resumed")
     assert sorted(b) == [5, 6, 7, 8]
     assert all(a[s] == b[s] for s in b), (a, b)
