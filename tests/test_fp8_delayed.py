@@ -159,7 +159,7 @@ def test_linears_that_read_one_tensor_share_its_state():
     assert len(delayed.states) == 4 + 7  # inputs: qkv, wo, w1/w3, w2
     names = fp8_delayed.state_buffer_names(twin)
     assert "attn.wq.fp8_input.history" in names and "attn.wk.fp8_input.history" not in names
-    assert not any("fp8" in k for k in twin.state_dict())  # never checkpointed
+    assert not any("fp8" in k for k in twin.state_dict())  # each rank's: not the model's
 
 
 def strategy(scaling: str, **precision) -> SingleStrategy:
@@ -214,18 +214,48 @@ def test_a_resume_restores_each_ranks_history_and_a_mismatch_starts_dynamic(capl
     assert torch.equal(losses[0], losses[1])
     assert all(torch.equal(a.history, b.history) for a, b in zip(back.rank_local.states, mine))
 
+    def edited(name: str, value) -> dict:
+        history = dict(saved["precision"]["history"])
+        history[name] = value
+        return {"precision": {**saved["precision"], "history": history}}
+
+    site = "layers.0.attn.wq.fp8_input"
+    bad = saved["precision"]["history"][site].clone()
+    bad[3] = float("nan")
+    renamed = dict(saved["precision"]["history"])
+    renamed["layers.9.attn.wq.fp8_input"] = renamed.pop(site)
     caplog.set_level("INFO", logger="dtrain")
-    for rank_state, why in [
-        (None, "holds no amax history for this rank"),
-        (saved, "is not this model's (22 sites, precision.fp8_amax_history=8)"),
+    for rank_state, history, why in [
+        (None, 16, "holds no amax history for this rank"),
+        (saved, 8, f"history for {site} is not 8 fp32 values (precision.fp8_amax_history=8)"),
+        (edited(site, bad), 16, f"history for {site} holds a negative or non-finite value"),
+        (edited(site, bad.abs().to_sparse()), 16, f"history for {site} is not 16 fp32 values"),
+        (edited(site, -1 - saved["precision"]["history"][site]), 16, "negative or non-finite"),
+        ({"precision": {"delayed": True, "history": renamed}}, 16, "another model's (22 cast"),
+        ({"precision": [1, 2]}, 16, "holds no amax history for this rank"),
     ]:
         caplog.clear()
-        history = 8 if rank_state else 16
         other = resumed(rank_state=rank_state, fp8_amax_history=history)
         assert not any(m.delayed for m in other.rank_local.linears)
         assert all(float(st.history.abs().sum()) == 0 for st in other.rank_local.states)
         assert "the first step after the resume scales dynamically" in caplog.text
         assert why in caplog.text, caplog.text
+
+
+def test_history_names_are_the_state_dicts_whatever_wraps_the_blocks():
+    """fsdp wraps each block for activation checkpointing and torch.compile in modules of their
+    own: the histories keep the names the model's state dict has, so they load either way."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    block, _ = fp8_block()
+    plain, _ = delayed_twin(block)
+    wrapped = copy.deepcopy(plain)
+    wrapped.attn = checkpoint_wrapper(wrapped.attn)
+    wrapped.ffn = torch.compile(wrapped.ffn)
+    names = fp8_delayed.DelayedScaling.of(wrapped, CPU, compiled=False).names
+    assert any("_checkpoint_wrapped_module" in n for n in fp8_delayed.state_buffer_names(wrapped))
+    assert names == fp8_delayed.DelayedScaling.of(plain, CPU, compiled=False).names
+    assert "attn.wq.fp8_input" in names and "ffn.w2.fp8_grad" in names
 
 
 def test_delayed_fp8_trains_and_resumes_from_the_command_line(tmp_path):

@@ -107,7 +107,8 @@ class DelayedFloat8Linear(Float8Linear):
             self.fp8_input = _Fp8State(history, device)
         object.__setattr__(self, "_shared_input", input_state)
         self.fp8_grad = _Fp8State(history, device)
-        self.delayed = False  # the first step after start or load: dynamic (no history yet)
+        # The first step of a run, or after a load that restored no history: dynamic.
+        self.delayed = False
 
     def input_state(self) -> _Fp8State:
         shared = self._shared_input
@@ -185,14 +186,18 @@ class DelayedScaling:
     @classmethod
     def of(cls, module: nn.Module, device, *, compiled: bool) -> DelayedScaling:
         linears = [m for m in module.modules() if isinstance(m, DelayedFloat8Linear)]
-        names = {id(m): name for name, m in module.named_modules() if isinstance(m, _Fp8State)}
+        names = {
+            id(m): _plain_name(name)
+            for name, m in module.named_modules()
+            if isinstance(m, _Fp8State)
+        }
         return cls(linears, device, compiled=compiled, names=names)
 
     def step(self) -> None:
         amaxes = [s.amax for s in self.states]
         histories = [s.history for s in self.states]
         if self.linears and not self.linears[0].delayed:
-            # Still dynamic (the first step after start or load): turn delayed only on amaxes
+            # Still dynamic (a first step: no history yet): turn delayed only on amaxes
             # that are all finite, else the history would start empty. One sync, only then.
             if not bool(torch.stack(amaxes).isfinite().all()):
                 self.reset()
@@ -227,24 +232,44 @@ class DelayedScaling:
             return "the checkpoint holds no amax history for this rank"
         saved = state.get("history")
         mine = dict(zip(self.names, self.states, strict=True))
-        fits = isinstance(saved, dict) and saved.keys() == mine.keys()
-        fits = fits and all(
-            isinstance(saved[k], torch.Tensor) and saved[k].shape == s.history.shape
-            for k, s in mine.items()
-        )
-        if not fits or not isinstance(state.get("delayed"), bool):
+        if not isinstance(saved, dict) or saved.keys() != mine.keys():
             n = len(saved) if isinstance(saved, dict) else 0
-            length = self.states[0].history.numel() if self.states else 0
-            return (
-                f"its amax history ({n} cast sites) is not this model's ({len(mine)} sites, "
-                f"precision.fp8_amax_history={length})"
-            )
+            return f"its amax histories are another model's ({n} cast sites; {len(mine)} here)"
+        for name, s in mine.items():
+            t, length = saved[name], s.history.numel()
+            if not (
+                isinstance(t, torch.Tensor)
+                and t.layout == torch.strided
+                and not t.is_meta
+                and t.dtype == torch.float32
+                and t.shape == s.history.shape
+            ):
+                return (
+                    f"its amax history for {name} is not {length} fp32 values "
+                    f"(precision.fp8_amax_history={length})"
+                )
+            if not bool((t.isfinite() & (t >= 0)).all()):
+                return f"its amax history for {name} holds a negative or non-finite value"
+        if not isinstance(state.get("delayed"), bool):
+            return "it does not say whether scaling had turned delayed"
         for name, s in mine.items():
             s.history.copy_(saved[name])
             s.amax.zero_()
         for m in self.linears:
             m.delayed = state["delayed"]
         return None
+
+
+# Module names as the model's state dict spells them: activation checkpointing's wrapper (fsdp
+# wraps each block) and torch.compile's module add a segment there that DCP's state dict drops,
+# so a history saved with one keeps its name in a run without it.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain_name(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
 
 
 def state_buffer_names(module: nn.Module) -> list[str]:
