@@ -47,6 +47,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -156,6 +157,15 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class Loaded(NamedTuple):
+    """What CheckpointManager.load gives back besides the state it loaded."""
+
+    manifest: dict
+    rank_state: dict | None  # save()'s rank_state: this rank's, or that of `from_rank`
+    from_rank: int | None  # None: this rank's own; else the number of ranks changed, this one
+    # modulo the saved number
 
 
 def rng_state() -> dict:
@@ -873,11 +883,12 @@ class CheckpointManager:
         rank, world = self.rank, self.world_size
         check_checkpoint(path, manifest, files=self.cfg.verify, rank=rank, world_size=world)
 
-    def load(self, path: Path, state: dict) -> tuple[dict, dict | None]:
+    def load(self, path: Path, state: dict) -> Loaded:
         """Load into `state` (a DCP state dict template) in place and restore this rank's RNG
-        state; return the manifest and this rank's own state (save()'s `rank_state`), None
-        where the checkpoint has none for it: saved by another number of ranks (its RNG state
-        is then not restored either), or by a dtrain that kept only RNG states."""
+        state; return the manifest and a rank's own state (save()'s `rank_state`): this
+        rank's, or where the checkpoint was saved by another number of ranks, that of this
+        rank modulo theirs (its RNG state is then not restored: it would repeat that rank's
+        draws). None where the checkpoint has none (a dtrain that kept only RNG states)."""
         from dtrain.safe_load import load_into
 
         path = Path(path)
@@ -885,20 +896,26 @@ class CheckpointManager:
         if path not in self._verified:
             self._check(path, manifest)
         load_into(path, state)
-        extra = path / f"extra_rank{self.rank}.pt"
-        rank_state = None
-        if manifest.get("world_size") == self.world_size and extra.exists():
-            try:  # weights_only: tensors and plain containers, never arbitrary objects
-                saved = torch.load(extra, weights_only=True)
-                rng, rank_state = saved["rng"], saved.get("rank") or None
-            except Exception as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise CheckpointError(
-                    f"checkpoint {path}: {extra.name} holds more than tensors, refused to "
-                    f"unpickle it ({first})"
-                ) from None
+        saved_world = manifest.get("world_size")
+        same = saved_world == self.world_size
+        if not same and not (isinstance(saved_world, int) and saved_world > 0):
+            return Loaded(manifest, None, None)
+        source = self.rank if same else self.rank % saved_world
+        extra = path / f"extra_rank{source}.pt"
+        if not extra.exists():
+            return Loaded(manifest, None, None)
+        try:  # weights_only: tensors and plain containers, never arbitrary objects
+            saved = torch.load(extra, weights_only=True)
+            rng, rank_state = saved["rng"], saved.get("rank") or None
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"checkpoint {path}: {extra.name} holds more than tensors, refused to "
+                f"unpickle it ({first})"
+            ) from None
+        if same:
             set_rng_state(rng)
-        return manifest, rank_state
+        return Loaded(manifest, rank_state, None if same else source)
 
     def trust(self, path: Path) -> None:
         """Count `path` as verified, e.g. by rank 0's find_resumable: load() does not hash it

@@ -402,7 +402,8 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
 
 class RankState(Protocol):
     """State a precision keeps per rank (each rank's from its own data), saved in the rank's
-    own file of a checkpoint: fp8 delayed scaling's amax histories (lowp/fp8_delayed)."""
+    own file of a checkpoint: fp8 delayed scaling's amax histories (lowp/fp8_delayed). Where
+    the number of ranks changed, load_state_dict is given another rank's."""
 
     def state_dict(self) -> dict: ...
 

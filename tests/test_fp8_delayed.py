@@ -320,6 +320,15 @@ def test_delayed_fp8_trains_on_two_ranks(tmp_path, strategy):
         assert again.returncode == 0, again.stderr[-3000:]
     assert train_losses(tmp_path / "r")[3] == b[3]
     assert "scales dynamically" not in again.stderr
+    # On one rank from the two ranks' checkpoint: rank 0's histories, delayed from the start.
+    ckpt = f"resume={tmp_path}/r/checkpoints/step_0000002"
+    single = launch(
+        *FAST, *steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/1", ckpt
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "amax histories come from rank 0 of the checkpoint" in single.stderr, single.stderr
+    assert "scales dynamically" not in single.stderr
+    assert train_losses(tmp_path / "1")[3] == pytest.approx(b[3], rel=0.02)
 
 
 def test_ddp_leaves_each_ranks_amaxes_alone_and_fsdp_zeroes_them(monkeypatch):

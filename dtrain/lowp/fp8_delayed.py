@@ -22,9 +22,10 @@ the precomputed one is already off the critical path).
   bit) and records the amaxes. Flipping to delayed compiles the graphs once more. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was
-  never stopped, bit for bit, and one compile instead of two. A checkpoint without them
-  (from another number of ranks, or an older dtrain) starts again from dynamic scales, and
-  says so.
+  never stopped, bit for bit, and one compile instead of two. Saved by another number of
+  ranks, rank r takes the histories of their rank r modulo their number (the same tensors'
+  range, seen on other data). A checkpoint without them (an older dtrain) starts again from
+  dynamic scales, and says so.
 - A value above the scale's range saturates at fp8's largest (torchao's saturated cast), as in
   Transformer Engine; the history's maximum keeps that rare.
 - Linears that read one tensor (a block's wq/wk/wv, w1/w3: `same_input` in dtrain/model.py)

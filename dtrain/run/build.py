@@ -244,9 +244,10 @@ def load_state(
     model.init_from; nothing for a fresh run."""
     if resume is not None:
         state = strategy.state_dict()
-        manifest, rank_state = ckpt.load(resume.path, state)
+        loaded = ckpt.load(resume.path, state)
         strategy.load_state_dict(state)
-        strategy.load_rank_state(rank_state)
+        strategy.load_rank_state(loaded.rank_state, from_rank=loaded.from_rank)
+        manifest = loaded.manifest
         try:
             stream.load_state_dict(manifest["data"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSON of the wrong shape

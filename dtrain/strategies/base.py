@@ -431,19 +431,25 @@ class Strategy:
         data. {} where there is none."""
         return {} if self.rank_local is None else {"precision": self.rank_local.state_dict()}
 
-    def load_rank_state(self, state: dict | None) -> None:
-        """After load_state_dict: this rank's rank_state() from the checkpoint, or None where
-        it has none for this rank (another world size, or saved by an older dtrain)."""
+    def load_rank_state(self, state: dict | None, from_rank: int | None = None) -> None:
+        """After load_state_dict: this rank's rank_state() from the checkpoint, or where
+        another number of ranks saved it, that of their rank `from_rank` (this rank modulo
+        their number: fp8's amax histories estimate the same tensors' range on any rank);
+        None where the checkpoint has none (saved by an older dtrain)."""
         if self.rank_local is None:
             return
         why = self.rank_local.load_state_dict(
             state.get("precision") if isinstance(state, dict) else None
         )
+        name = self.precision.name
         if why is not None:
+            log.info("%s: the first step after the resume scales dynamically (%s)", name, why)
+        elif from_rank is not None:
             log.info(
-                "%s: the first step after the resume scales dynamically (%s)",
-                self.precision.name,
-                why,
+                "%s: the amax histories come from rank %d of the checkpoint, which another "
+                "number of ranks saved",
+                name,
+                from_rank,
             )
 
     def unwrapped(self) -> nn.Module:
