@@ -54,9 +54,10 @@ VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, bool | str], str]] = {
     "fp8_gwbf16": ("fp8", {}, {}, "gwbf16"),
     "fp8_delayed": ("fp8", {}, {"fp8_scaling": "delayed"}, ""),
 }
-# The fp8 variants' scales unless a variant names them: dynamic, the base the others were
-# measured against (precision.fp8_scaling=auto would take delayed on one GPU).
-FP8_BASE = {"fp8_scaling": "dynamic"}
+# The fp8 variants' scales and fast accumulation unless a variant names them: dynamic scales and
+# torchao's forward-only fast accumulation, the base the others were measured against
+# (precision=fp8's defaults since are delayed scales on one GPU and `grad_input`).
+FP8_BASE = {"fp8_scaling": "dynamic", "fp8_fast_accum": "forward"}
 
 
 def patch_grad_weight_bf16() -> None:

@@ -16,7 +16,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
+# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -45,6 +45,9 @@ fsdp8b() {  # $1 = result name, then overrides
 # fast accumulation in the grad-input GEMM. Since the thirty-seventh session precision=fp8 scales
 # with delayed amaxes where parameters are whole (fp8_scaling=auto: single1b, slice8b, so fp8 and
 # its variants there are delayed ones) and dynamically under fsdp; fp8dyn names dynamic scales.
+# Since the fortieth session fp8_fast_accum=grad_input is fp8's default, so fp8 and every fp8
+# variant that does not name fast accumulation (fp8gi and fp8headgi too) accumulate fast in the
+# grad-input GEMM; fp8fwd names torchao's recipe (forward only), the default before.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   int8gwg|int8gwgg) echo "precision=int8 precision.int8_grad_weight=int8_grouped" ;;
   fp8fused) echo "precision=fp8" ;;
@@ -53,6 +56,7 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=all" ;;
   fp8acc) echo "precision=fp8 precision.fp8_fast_accum=all" ;;
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
+  fp8fwd) echo "precision=fp8 precision.fp8_fast_accum=forward" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
   int8apart|int8bwapart|int8gapart|int8qfused|int8qsweeps|int8mk|int8tma|int8ptr|int8gluon|int8fastest|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;

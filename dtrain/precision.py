@@ -48,7 +48,7 @@ class Precision:
     fp8_emulate: bool = False
     fp8_all_gather: bool | None = None  # precision.fp8_all_gather as set (None: the default)
     fp8_lm_head: bool = False  # the LM head in fp8 too
-    fp8_fast_accum: str = "forward"  # which GEMMs accumulate fast: forward, grad_input, all
+    fp8_fast_accum: str = "grad_input"  # which GEMMs accumulate fast: forward, grad_input, all
     fp8_scaling: str = "dynamic"  # inputs' and gradients' scales: dynamic or delayed
     fp8_amax_history: int = 16  # delayed: the steps of amax a scale is taken from
     # precision=int8 only: grad_weight matmul in "int8", "int8_grouped" (scales per 128 tokens)

@@ -365,6 +365,7 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
 @pytest.mark.parametrize(
     "head,fast,fast_gi,fast_gw",
     [
+        (False, None, True, False),
         (False, "forward", False, False),
         (True, "grad_input", True, False),
         (False, "all", True, True),
@@ -373,14 +374,16 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
 def test_fp8_lm_head_and_fast_accum_take_their_paths(head, fast, fast_gi, fast_gw):
     """precision.fp8_lm_head swaps the LM head too, keeping it tied to the embedding, and its
     logits are the fp8 head's (quantized: close to, not equal to, the bf16 head's);
-    precision.fp8_fast_accum sets fast accumulation in the GEMMs it names, in every fp8 linear,
-    where the default ("forward") keeps torchao's promoted backward ones."""
+    precision.fp8_fast_accum sets fast accumulation in the GEMMs it names, in every fp8 linear:
+    the default (None here: not set) is grad_input, and "forward" keeps torchao's promoted
+    backward ones."""
     pytest.importorskip("torchao")
     tied = replace(TINY, tie_embeddings=True)
     x, y = _batch()
     model = build_model(tied, CPU, seed=0)
+    fast_opt = {} if fast is None else {"fp8_fast_accum": fast}
     cfg = PrecisionConfig(
-        name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_fast_accum=fast, fp8_scaling="dynamic"
+        name="fp8", fp8_emulate=True, fp8_lm_head=head, fp8_scaling="dynamic", **fast_opt
     )
     apply_precision(model, build_precision(cfg, CPU))
     assert (type(model.output).__name__ == "Float8Linear") is head
@@ -404,6 +407,23 @@ def test_fp8_lm_head_and_fast_accum_take_their_paths(head, fast, fast_gi, fast_g
             ref_out = ref(x).float()
         assert not torch.equal(ref_out, out)
         assert snr_db(ref_out, out) > 15
+
+
+def test_precision_fp8_composes_to_fast_grad_input():
+    """`precision=fp8` as a user composes it (conf/precision/fp8.yaml over the schema) builds
+    linears whose grad-input GEMM accumulates fast and whose grad-weight GEMM promotes."""
+    pytest.importorskip("torchao")
+    from dtrain.config import compose
+
+    cfg = compose(["precision=fp8", "precision.fp8_emulate=true"]).precision
+    assert cfg.fp8_fast_accum == "grad_input"
+    model = build_model(TINY, CPU, seed=0)
+    apply_precision(model, build_precision(cfg, CPU))
+    fp8 = [m for m in model.modules() if type(m).__name__.endswith("Float8Linear")]
+    assert len(fp8) == 7 * TINY.n_layer
+    for m in fp8:
+        assert m.config.gemm_config_grad_input.use_fast_accum
+        assert not m.config.gemm_config_grad_weight.use_fast_accum
 
 
 def test_fp8_lm_head_with_fast_accum_trains(tmp_path):
