@@ -566,6 +566,7 @@ def test_known_points_are_within_15_percent():
         (("strategy=zero2",), 2, 107_000 / 2),
         (("strategy=single", "precision=fp8", "precision.fp8_scaling=dynamic"), 1, 72_515),
         (("strategy=single", "precision=fp8", "precision.fp8_scaling=delayed"), 1, 74_157),
+        (("strategy=single", "precision=fp8"), 1, 75_986),  # its defaults: 2026-12-04-gpu-s40
         (("strategy=single", "precision=int8"), 1, 64_977),  # 2026-12-03-gpu-s36 call 4
         # ZeRO-3 without DeepCompile: eager three times (2026-11-26b, 2026-11-27 calls 4 and 5),
         # then under plain torch.compile (deepspeed.py's EAGER_ZERO3, HOOKED_COMPILED_ZERO3)
