@@ -11,6 +11,8 @@
 #   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
 #   OUT=/tmp/out bash bench/lowp.sh int8kernels  # bf16 vs torch._int_mm vs Triton int8: GEMMs,
 #       quantizes and 1b end to end on one GPU (bench/int8_kernels.py; ~5 min on an H100)
+#   OUT=/tmp/out STEPS=400 DATA=data=embedded SEED=7 bash bench/lowp.sh lossslice8b: the same
+#       at 8b's widths on one GPU (model=8b cut to LAYERS=4 blocks, seq 8192, micro-batch 1)
 #   OUT=/tmp/out MODEL=350m STEPS=500 DATA=data=embedded SEED=7 bash bench/lowp.sh loss350m
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
@@ -133,12 +135,19 @@ case "${1:-}" in
       dtrain_run loss${MODEL}_${p}_s${SEED:-1337}${VOCAB:+_v$VOCAB} 1 $(prec $p) \
         seed=${SEED:-1337} ${VOCAB:+model.vocab_size=$VOCAB}
     done ;;
+  lossslice8b)  # the loss at 8b's widths on one GPU: model=8b cut to LAYERS (default 4) blocks,
+    # seq 8192, micro-batch 1, the head at VOCAB (default 50304); DATA=data=embedded for text
+    for p in ${PRECS:-bf16 fp8}; do
+      MODEL=8b dtrain_run lossslice8b_${p}_s${SEED:-1337} 1 $(prec $p) seed=${SEED:-1337} \
+        model=8b model.n_layer=${LAYERS:-4} trainer.seq_len=8192 trainer.micro_batch_size=1 \
+        model.vocab_size=${VOCAB:-50304}
+    done ;;
   profile8b|profile1b)
     run=${1#profile}; run=${run/8b/fsdp8b}; run=${run/1b/single1b}
     for p in ${PRECS:-bf16 fp8}; do
       with_env $p $run prof${1#profile}_$p $(prec $p) profile.enabled=true profile.wait=8 \
         profile.active=2 profile.row_limit=40
     done ;;
-  *) echo "usage: bench/lowp.sh fsdp8b|fsdp1b|single1b|slice8b|profile8b|profile1b|int8kernels|loss350m" >&2
+  *) echo "usage: bench/lowp.sh fsdp8b|fsdp1b|single1b|slice8b|profile8b|profile1b|int8kernels|loss350m|lossslice8b" >&2
      exit 2 ;;
 esac
