@@ -802,7 +802,7 @@ def test_param_tensors_are_counted_from_the_config():
             assert len(list(model.parameters())) == count_param_tensors(cfg)
 
 
-def test_fp8_fast_accumulation_is_priced_per_gemm():
+def test_fp8_fast_accumulation_is_priced_per_gemm(monkeypatch):
     """precision.fp8_fast_accum: each GEMM that accumulates fast runs FAST_ACCUM_SPEEDUP times
     a promoted one, and torchao's recipe ("forward") is what the fp8 efficiency was fitted on.
     Against the A/B of one call, 1x H200: 8b's blocks cut to 16, grad_input (the default) over
@@ -827,15 +827,12 @@ def test_fp8_fast_accumulation_is_priced_per_gemm():
     assert sp.fast_accum_factor("forward") == 1.0
     assert sp.fast_accum_factor("all") < sp.fast_accum_factor("grad_input") < 1.0
     bf16, int8 = speed(*one, "precision=bf16"), speed(*one, "precision=int8")
-    sp_factor, sp.FAST_ACCUM_SPEEDUP = sp.FAST_ACCUM_SPEEDUP, 2.0
-    try:  # the factor reaches fp8's GEMMs only
-        assert speed(*one, "precision=int8") == int8
-        assert speed(*one, "precision=bf16") == bf16
-        assert speed(*one, "precision=fp8") > 1.05 * speed(
-            *one, "precision=fp8", "precision.fp8_fast_accum=forward"
-        )
-    finally:
-        sp.FAST_ACCUM_SPEEDUP = sp_factor
+    monkeypatch.setattr(sp, "FAST_ACCUM_SPEEDUP", 2.0)  # the factor reaches fp8's GEMMs only
+    assert speed(*one, "precision=int8") == int8
+    assert speed(*one, "precision=bf16") == bf16
+    assert speed(*one, "precision=fp8") > 1.05 * speed(
+        *one, "precision=fp8", "precision.fp8_fast_accum=forward"
+    )
 
 
 def test_int8_is_planned_at_its_measured_speed_against_bf16():
