@@ -38,6 +38,12 @@ dtrain_run() {  # $1 = result name, $2 = processes, then overrides (strategy=...
   local L="python3"; [ "$n" -gt 1 ] && L="python3 -m dtrain.launcher --standalone --nproc_per_node=$n"
   case " $* " in *" precision="*) ;; *) set -- "$@" precision=bf16 ;; esac
   rm -rf /tmp/runs/$name
+  # FRESH_CACHE=1: each run compiles from nothing (its own Inductor and Triton caches), so
+  # start-up times compare; otherwise a run reuses what an earlier one of the call compiled.
+  local cache=/tmp/cache_$name; rm -rf $cache
+  if [ "${FRESH_CACHE:-0}" = 1 ]; then
+    export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+  fi
   $L launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/$name.log 2>&1
   tail -2 $OUT/$name.log
   # Prints the run's summary (one JSON line) and writes it to $OUT/$name.json.

@@ -30,6 +30,16 @@ def summarize(run_dir: Path) -> dict:
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady[0]["mfu"] else None,
         "intervals": [round(r["tokens_per_s"]) for r in train],
+        # Start-up: the loop's seconds to the end of the first logged interval (compiles
+        # included) and that interval's peak reserved (a first step run differently shows here).
+        "first_interval": {
+            "step": train[0]["step"],
+            "elapsed_s": train[0].get("elapsed_s"),
+            "peak_reserved_gib": max(
+                m.get("peak_reserved_bytes", 0) for m in train[0]["memory_per_rank"]
+            )
+            / gib,
+        },
         "memory_per_rank": [
             {
                 "peak_allocated_gib": m.get("peak_allocated_bytes", 0) / gib,

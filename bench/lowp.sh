@@ -18,7 +18,7 @@
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
 # PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
-# fp8wide, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
+# fp8wide, fp8cf, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -50,9 +50,13 @@ fsdp8b() {  # $1 = result name, then overrides
 # Since the fortieth session fp8_fast_accum=grad_input is fp8's default, so fp8 and every fp8
 # variant that does not name fast accumulation (fp8gi and fp8headgi too) accumulate fast in the
 # grad-input GEMM; fp8fwd names torchao's recipe (forward only), the default before.
+# Since the forty-second session delayed scaling's first step (dynamic scales) runs eagerly
+# where the model compiles; fp8cf compiles it too (DTRAIN_FP8_FIRST_STEP=compiled, by firstenv),
+# as before. FRESH_CACHE=1 (bench/common.sh) gives each run empty compile caches: the A/B of
+# start-up times.
 prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
   int8gwg|int8gwgg) echo "precision=int8 precision.int8_grad_weight=int8_grouped" ;;
-  fp8fused) echo "precision=fp8" ;;
+  fp8fused|fp8cf) echo "precision=fp8" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   fp8head) echo "precision=fp8 precision.fp8_lm_head=true" ;;
   fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=all" ;;
@@ -101,12 +105,14 @@ swenv() { case $1 in int8swiglu|int8all) echo fused ;; *) echo linears ;; esac; 
 # twenty-eighth session (DTRAIN_INT8_QUANTIZE_TILES=sweeps), not autotuned with one pass.
 qtenv() { case $1 in int8qsweeps) echo sweeps ;; *) echo tuned ;; esac; }
 ggenv() { case $1 in int8gwgg) echo gluon ;; *) echo triton ;; esac; }
+firstenv() { case $1 in fp8cf) echo compiled ;; *) echo eager ;; esac; }
 # Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
 with_env() { local p=$1; shift
   DTRAIN_FP8_TRANSPOSE=$(fp8env $p) DTRAIN_INT8_QUANTIZE=$(int8env $p) \
     TORCHINDUCTOR_MULTI_KERNEL=$(mkenv $p) DTRAIN_INT8_GEMM=$(gemmenv $p) \
     DTRAIN_INT8_GRAD_INPUT=$(gienv $p) DTRAIN_INT8_SWIGLU=$(swenv $p) \
-    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) DTRAIN_INT8_GROUPED_GEMM=$(ggenv $p) "$@"; }
+    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) DTRAIN_INT8_GROUPED_GEMM=$(ggenv $p) \
+    DTRAIN_FP8_FIRST_STEP=$(firstenv $p) "$@"; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"

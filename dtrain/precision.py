@@ -411,10 +411,22 @@ class RankState(Protocol):
         """None when restored, else why not (the state then stays as after_load left it)."""
 
 
+class StepMode(Protocol):
+    """How a precision runs the model's forward and backward where it compiles: fp8 delayed
+    scaling runs its dynamic first step eagerly (lowp/fp8_delayed)."""
+
+    def runs_eager(self) -> bool:
+        """Whether the next step runs eagerly."""
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """The context of the next step's (or eval's) forward and backward; entered at once."""
+
+
 class PrecisionHooks(NamedTuple):
     after_step: Callable[[], None] | None
     after_load: Callable[[], None] | None
     rank_state: RankState | None
+    step_mode: StepMode | None
 
 
 def precision_hooks(
@@ -426,8 +438,9 @@ def precision_hooks(
     compiled: bool = False,
 ) -> PrecisionHooks:
     """What must run after each optimizer step for `precision`, and after each checkpoint
-    load: (after_step, after_load), each None where nothing must; and `rank_state`, the
-    precision's state that is each rank's own and goes into its file of a checkpoint, or None.
+    load: (after_step, after_load), each None where nothing must; `rank_state`, the
+    precision's state that is each rank's own and goes into its file of a checkpoint, or None;
+    and `step_mode`, how the model's forward and backward run where it compiles, or None.
     Build it once the model's tensors are real (after fsdp's to_empty and init).
 
     - fp8 with FSDP2's fp8 all-gather needs each weight's scale to be the same on every shard.
@@ -438,7 +451,8 @@ def precision_hooks(
       follows it runs as one compiled call (lowp/fp8.cast_shards).
     - precision.fp8_scaling=delayed pushes the step's amaxes into their histories after each
       step (compiled where the model is) and starts again from dynamic scales after a load
-      (lowp/fp8_delayed), unless the rank's saved histories are then loaded (rank_state)."""
+      (lowp/fp8_delayed), unless the rank's saved histories are then loaded (rank_state). A
+      step that scales dynamically runs eagerly where the model compiles (step_mode)."""
     steps: list[Callable[[], None]] = []
     loads: list[Callable[[], None]] = []
     delayed = None
@@ -456,7 +470,8 @@ def precision_hooks(
 
         steps.append(precompute)
         loads.append(precompute)
-    return PrecisionHooks(_run_all(steps), _run_all(loads), delayed)
+    mode = delayed if delayed is not None and delayed.eager_first else None
+    return PrecisionHooks(_run_all(steps), _run_all(loads), delayed, mode)
 
 
 def _run_all(hooks: list[Callable[[], None]]) -> Callable[[], None] | None:

@@ -67,16 +67,20 @@ def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
         ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
         ("DTRAIN_INT8_SWIGLU", "linears or fused"),
         ("DTRAIN_INT8_GROUPED_GEMM", "auto, gluon, triton"),
+        ("DTRAIN_FP8_FIRST_STEP", "eager or compiled"),
     ],
 )
-def test_the_launch_check_covers_every_int8_switch(monkeypatch, env, choices):
+def test_the_launch_check_covers_every_low_precision_switch(monkeypatch, env, choices):
     from dtrain.errors import ConfigError
-    from dtrain.lowp.switches import check_int8_switches
+    from dtrain.lowp.switches import check_switches
 
-    check_int8_switches()  # unset: each its default
+    precision = env.split("_")[1].lower()  # DTRAIN_INT8_... is int8's, DTRAIN_FP8_... fp8's
+    check_switches(precision)  # unset: each its default
     monkeypatch.setenv(env, "sideways")
     with pytest.raises(ConfigError, match=f"^{env}='sideways' is not valid; choose {choices}$"):
-        check_int8_switches()
+        check_switches(precision)
+    other = {"int8": "fp8", "fp8": "int8"}[precision]
+    check_switches(other)  # another precision's switches are not this one's business
 
 
 @pytest.mark.parametrize(
@@ -96,9 +100,9 @@ def test_a_gluon_gemm_needs_gluon_and_says_so_at_launch(monkeypatch, env, others
         rf"later\); (this is Triton |Triton is not).+: choose {others}$"
     )
     with pytest.raises(ConfigError, match=said):
-        switches.check_int8_switches()
+        switches.check_switches("int8")
     monkeypatch.setattr(switches, "has_gluon_hopper", lambda: True)
-    switches.check_int8_switches()  # with Gluon: fine
+    switches.check_switches("int8")  # with Gluon: fine
 
 
 def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):

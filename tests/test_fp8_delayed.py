@@ -162,10 +162,10 @@ def test_linears_that_read_one_tensor_share_its_state():
     assert not any("fp8" in k for k in twin.state_dict())  # each rank's: not the model's
 
 
-def strategy(scaling: str, **precision) -> SingleStrategy:
+def strategy(scaling: str, compile: bool = False, **precision) -> SingleStrategy:
     cfg = PrecisionConfig(name="fp8", fp8_emulate=True, fp8_scaling=scaling, **precision)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=CPU)
-    s = SingleStrategy(StrategyConfig(compile=False), build_precision(cfg, CPU), env)
+    s = SingleStrategy(StrategyConfig(compile=compile), build_precision(cfg, CPU), env)
     s.setup(TINY, OptimConfig(warmup_steps=0), seed=0)
     return s
 
@@ -184,6 +184,54 @@ def test_the_strategy_rolls_after_each_step_and_starts_again_after_a_load():
     assert not any(m.delayed for m in linears)
     assert float(linears[0].input_state().history.abs().sum()) == 0
     assert strategy("dynamic").post_step is None  # nothing to roll with dynamic scales
+
+
+@pytest.mark.parametrize("first", ["eager", "compiled"])
+def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(monkeypatch, first):
+    """Compiled, the first step (dynamic scales: no history yet) runs eagerly, as
+    DTRAIN_FP8_FIRST_STEP=eager (the default) has it: no graph of it is captured, its loss and
+    gradients are the eager model's; the next step (delayed) is the first to compile, and the
+    loop's slow-step notice says so. After a load that restored no history: eager again.
+    `compiled` captures the first step too, as before. (Dynamo's eager backend: what is
+    counted is what is captured, not Inductor's kernels.)"""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", first)
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    s, ref = strategy("delayed", compile=True), strategy("delayed")
+    captured = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    eager = lambda: s.step_mode is not None and s.step_mode.runs_eager()  # noqa: E731
+    assert eager() is (first == "eager")
+    slow = s.slow_steps(1)
+    assert list(slow) == ([1, 2] if first == "eager" else [1])
+    assert "torch.compile" in slow[max(slow)]
+    assert ("eagerly" in slow[1]) is (first == "eager")
+    x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    loss = s.forward_backward(x, x, last_micro=True, loss_div=1)
+    if first == "eager":
+        assert captured() == 0
+        assert torch.equal(loss, ref.forward_backward(x, x, last_micro=True, loss_div=1))
+        for p, q in zip(s.module.parameters(), ref.module.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    else:
+        assert captured() > 0
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    assert not eager() and s.slow_steps(2) == {2: slow[max(slow)]}
+    before = captured()
+    s.forward_backward(x, x, last_micro=True, loss_div=1)  # delayed: compiles (again)
+    assert captured() > before
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    s.load_state_dict(s.state_dict())  # the model's state only: no history restored
+    assert eager() is (first == "eager")
+
+
+def test_an_eager_model_has_no_step_mode(monkeypatch):
+    monkeypatch.delenv("DTRAIN_FP8_FIRST_STEP", raising=False)
+    assert strategy("delayed").step_mode is None  # nothing compiles: nothing to run eagerly
+    assert strategy("dynamic", compile=True).step_mode is None  # no history to wait for
 
 
 def test_a_resume_restores_each_ranks_history_and_a_mismatch_starts_dynamic(caplog):

@@ -1,7 +1,8 @@
-"""The low-precision kernels' A/B switches: environment variables (DTRAIN_INT8_*) that choose
-between ways of running the same computation, for benchmarks that decide a default. Each is
-read where the layers are built; launch/train.py checks them all first (check_int8_switches),
-so a bad value stops the run in one line before anything is written to the run dir."""
+"""The low-precision kernels' A/B switches: environment variables (DTRAIN_INT8_*,
+DTRAIN_FP8_FIRST_STEP) that choose between ways of running the same computation, for benchmarks
+that decide a default. Each is read where the layers are built; launch/train.py checks the
+precision's first (check_switches), so a bad value stops the run in one line before anything
+is written to the run dir."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ QUANTIZE_TILE_ENV = "DTRAIN_INT8_QUANTIZE_TILES"
 # operands TMA cannot read) the Triton kernels run whatever the choice.
 GROUPED_GEMM_CHOICES = ("auto", "gluon", "triton")
 GROUPED_GEMM_ENV = "DTRAIN_INT8_GROUPED_GEMM"
+# fp8 delayed scaling's first step (no amax history yet, so dynamic scales) where the model
+# compiles: "eager" (the default: only the delayed graphs are compiled) or "compiled" (that
+# step's dynamic graphs compiled too, the only way before the forty-second session), for their
+# A/B (dtrain/lowp/fp8_delayed.py).
+FP8_FIRST_STEP_CHOICES = ("eager", "compiled")
+FP8_FIRST_STEP_ENV = "DTRAIN_FP8_FIRST_STEP"
 
 
 @functools.cache
@@ -56,8 +63,13 @@ def has_gluon_hopper() -> bool:
     return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 
-def check_int8_switches() -> None:
-    """Every DTRAIN_INT8_* switch's value, or a ConfigError naming the bad one and its choices."""
+def check_switches(precision: str) -> None:
+    """Every A/B switch of `precision` (int8's DTRAIN_INT8_*, fp8's DTRAIN_FP8_FIRST_STEP):
+    its value, or a ConfigError naming the bad one and its choices."""
+    if precision == "fp8":
+        env_choice(FP8_FIRST_STEP_ENV, FP8_FIRST_STEP_CHOICES)
+    if precision != "int8":
+        return
     from dtrain.lowp import int8 as i8
     from dtrain.lowp import int8_swiglu as sw
 

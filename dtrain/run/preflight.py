@@ -91,10 +91,10 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         ckpts = Path(cfg.run_dir) / "checkpoints"
         check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     refuse_resume_never(cfg)
-    if cfg.precision.name == "int8":  # the layers read them later, after Hydra's first writes
-        from dtrain.lowp.switches import check_int8_switches
+    if cfg.precision.name in ("int8", "fp8"):  # read later, after Hydra's first writes
+        from dtrain.lowp.switches import check_switches
 
-        check_int8_switches()
+        check_switches(cfg.precision.name)
     return cfg
 
 

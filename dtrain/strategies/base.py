@@ -188,9 +188,10 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: StateBytes | None = None
         self.loss_scaler = None  # fp16's dynamic loss scaling (dtrain.lowp.scaling.LossScaler)
-        # The precision's work after each optimizer step and after each checkpoint load, and
-        # its state that is each rank's own (precision_hooks), or None.
-        self.post_step = self.post_load = self.rank_local = None
+        # The precision's work after each optimizer step and after each checkpoint load, its
+        # state that is each rank's own and how its steps run where compiled (precision_hooks),
+        # or None.
+        self.post_step = self.post_load = self.rank_local = self.step_mode = None
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
         # dtrain.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure(); with
         # fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
@@ -257,6 +258,10 @@ class Strategy:
         loop says it in the log while such a step runs): by default the first, which compiles.
         `first_step` is the process's first loop step (after a resume, not 1)."""
         what = self.first_step_work()
+        if what and self.step_mode is not None and self.step_mode.runs_eager():
+            # fp8's dynamic first step runs eagerly: the next one compiles
+            eager = "fp8 scales this first step dynamically, eagerly (no amax history yet)"
+            return {first_step: eager, first_step + 1: what}
         return {first_step: what} if what else {}
 
     # --- what the memory planner reads -------------------------------------------------
@@ -309,7 +314,7 @@ class Strategy:
             self.module, optim_cfg, self.precision, self.device
         )
         self.loss_scaler = build_loss_scaler(self.precision, self.device)
-        self.post_step, self.post_load, self.rank_local = precision_hooks(
+        self.post_step, self.post_load, self.rank_local, self.step_mode = precision_hooks(
             self.precision, self.module, self.device, sharded=False, compiled=self.compile_enabled
         )
 
@@ -336,7 +341,7 @@ class Strategy:
         self, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool, loss_div: int
     ) -> torch.Tensor:
         """One micro-step. Returns the (detached, unscaled) loss of this micro-batch."""
-        with self.no_sync(last_micro):
+        with self.no_sync(last_micro), self.precision_context():
             with self.precision.autocast(self.device):
                 loss = self.model(x, y)
             scaled = loss / loss_div
@@ -375,9 +380,14 @@ class Strategy:
         """Extra scalars for the logs (fp16: train/overflow_steps, train/loss_scale)."""
         return self.loss_scaler.metrics() if self.loss_scaler is not None else {}
 
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """What the precision runs the model's forward and backward in (precision_hooks'
+        step_mode: fp8's dynamic first step eagerly), else nothing."""
+        return contextlib.nullcontext() if self.step_mode is None else self.step_mode.step_context()
+
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast(self.device):
+        with self.precision.autocast(self.device), self.precision_context():
             return self.model(x, y).detach()
 
     def mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:

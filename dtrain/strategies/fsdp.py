@@ -253,7 +253,7 @@ class FSDPStrategy(Strategy):
         self.loss_scaler = build_loss_scaler(p, self.device, sharded=True)
         # The shards' fp8 cast compiles where the blocks do, unless the shards are offloaded.
         compiled = self.compile_enabled and not self.cfg.cpu_offload
-        self.post_step, self.post_load, self.rank_local = precision_hooks(
+        self.post_step, self.post_load, self.rank_local, self.step_mode = precision_hooks(
             p, model, self.device, sharded=True, compiled=compiled
         )
 
