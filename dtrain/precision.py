@@ -412,14 +412,11 @@ class RankState(Protocol):
 
 
 class StepMode(Protocol):
-    """How a precision runs the model's forward and backward where it compiles: fp8 delayed
-    scaling runs its dynamic first step eagerly (lowp/fp8_delayed)."""
+    """Which steps of a compiled model a precision wants run eagerly: fp8 delayed scaling's
+    dynamic first step (lowp/fp8_delayed; the strategy runs it, strategies/eager_step)."""
 
     def runs_eager(self) -> bool:
-        """Whether the next step runs eagerly."""
-
-    def step_context(self) -> contextlib.AbstractContextManager:
-        """The context of the next step's (or eval's) forward and backward; entered at once."""
+        """Whether the next step (or eval) should run eagerly."""
 
 
 class PrecisionHooks(NamedTuple):
@@ -452,14 +449,19 @@ def precision_hooks(
     - precision.fp8_scaling=delayed pushes the step's amaxes into their histories after each
       step (compiled where the model is) and starts again from dynamic scales after a load
       (lowp/fp8_delayed), unless the rank's saved histories are then loaded (rank_state). A
-      step that scales dynamically runs eagerly where the model compiles (step_mode)."""
+      step that scales dynamically runs eagerly where the model compiles with whole
+      parameters (step_mode)."""
     steps: list[Callable[[], None]] = []
     loads: list[Callable[[], None]] = []
     delayed = None
     if precision.quantize == "fp8" and precision.fp8_scaling == "delayed":
         from dtrain.lowp.fp8_delayed import DelayedScaling
 
-        delayed = DelayedScaling.of(module, device, compiled=compiled)
+        # The dynamic first step eagerly where the model compiles and its blocks are whole
+        # (strategies/eager_step recomputes them in backward, which FSDP's hooks would miss).
+        delayed = DelayedScaling.of(
+            module, device, compiled=compiled, eager_first=compiled and not sharded
+        )
         steps.append(delayed.step)
         loads.append(delayed.reset)
     if sharded and precision.fp8_weight_gather:

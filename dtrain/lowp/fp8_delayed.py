@@ -19,11 +19,12 @@ the max of those). Weights keep torchao's dynamic scales (their amax is cheap, a
 the precomputed one is already off the critical path).
 
 - The first step of a run has no history: it scales dynamically (torchao's numerics, bit for
-  bit) and records the amaxes. Where the model compiles, that step runs eagerly
-  (`step_context`), so the only graphs compiled are the delayed ones that every later step
-  runs: compiling the dynamic step's graphs too took about as long again as the delayed ones
-  (the first five steps on 8b's blocks cut to 16 on one H200: 182 s against dynamic fp8's
-  85 s). `DTRAIN_FP8_FIRST_STEP=compiled` compiles that step as well, for the A/B. Each rank's
+  bit) and records the amaxes. Where the model compiles with whole parameters (single, ddp),
+  `runs_eager` tells the strategy to run that step eagerly (dtrain/strategies/eager_step.py),
+  so the only graphs compiled are the delayed ones that every later step runs: compiling the
+  dynamic step's too cost about as long again (at 1b on one H200, step 5 came 183 s into the
+  loop with the first step eager, and had not come after 305 s with it compiled: forty-second
+  session call 1). `DTRAIN_FP8_FIRST_STEP=compiled` compiles it too, for the A/B. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was
   never stopped, bit for bit, and one compile instead of two. Saved by another number of
@@ -39,8 +40,6 @@ the precomputed one is already off the critical path).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -181,6 +180,7 @@ class DelayedScaling:
         *,
         compiled: bool,
         names: dict[int, str] | None = None,
+        eager_first: bool = False,
     ):
         self.linears = linears
         states = {id(s): s for m in linears for s in (m.input_state(), m.fp8_grad)}
@@ -190,33 +190,31 @@ class DelayedScaling:
         for s in self.states:  # fsdp's to_empty left them unset, and on the host if offloaded
             s.to(device)
         self._roll = torch.compile(_roll, dynamic=False) if compiled else _roll
+        # Whether a dynamic step runs eagerly: asked by the caller (where the model compiles
+        # and the strategy can run a step eagerly), unless the A/B switch says compiled.
         self.eager_first = (
-            compiled and env_choice(FP8_FIRST_STEP_ENV, FP8_FIRST_STEP_CHOICES) == "eager"
+            eager_first and env_choice(FP8_FIRST_STEP_ENV, FP8_FIRST_STEP_CHOICES) == "eager"
         )
         self.reset()
 
     @classmethod
-    def of(cls, module: nn.Module, device, *, compiled: bool) -> DelayedScaling:
+    def of(
+        cls, module: nn.Module, device, *, compiled: bool, eager_first: bool = False
+    ) -> DelayedScaling:
         linears = [m for m in module.modules() if isinstance(m, DelayedFloat8Linear)]
         names = {
             id(m): _plain_name(name)
             for name, m in module.named_modules()
             if isinstance(m, _Fp8State)
         }
-        return cls(linears, device, compiled=compiled, names=names)
+        return cls(linears, device, compiled=compiled, names=names, eager_first=eager_first)
 
     def runs_eager(self) -> bool:
-        """Whether the next step runs eagerly: scales still dynamic (a first step, or after a
-        load that restored no history) where the model compiles."""
+        """Whether the next step should run eagerly: its scales are dynamic (a first step, or
+        after a load that restored no history) and eager_first was asked. Compiling that one
+        step's graphs would cost about as much time as the delayed ones' that every other step
+        runs."""
         return self.eager_first and bool(self.linears) and not self.linears[0].delayed
-
-    def step_context(self) -> contextlib.AbstractContextManager:
-        """Where the model's forward and backward run: eagerly while scales are dynamic (see
-        runs_eager; compiling that one step's graphs would cost as much as the delayed ones'),
-        else as the strategy set them up. Enter it at once: set_stance takes effect when made."""
-        if self.runs_eager():
-            return torch.compiler.set_stance("force_eager")
-        return contextlib.nullcontext()
 
     def step(self) -> None:
         amaxes = [s.amax for s in self.states]

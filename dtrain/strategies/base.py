@@ -34,6 +34,7 @@ from dtrain.precision import (
     check_strategy,
     precision_hooks,
 )
+from dtrain.strategies.eager_step import eager_step
 
 log = logging.getLogger("dtrain")
 
@@ -381,9 +382,11 @@ class Strategy:
         return self.loss_scaler.metrics() if self.loss_scaler is not None else {}
 
     def precision_context(self) -> contextlib.AbstractContextManager:
-        """What the precision runs the model's forward and backward in (precision_hooks'
-        step_mode: fp8's dynamic first step eagerly), else nothing."""
-        return contextlib.nullcontext() if self.step_mode is None else self.step_mode.step_context()
+        """What the model's forward and backward run in for the precision: eagerly where its
+        step_mode asks (fp8's dynamic first step; strategies/eager_step), else as set up."""
+        if self.step_mode is not None and self.step_mode.runs_eager():
+            return eager_step(self.module)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
