@@ -21,10 +21,12 @@ the precomputed one is already off the critical path).
 - The first step of a run has no history: it scales dynamically (torchao's numerics, bit for
   bit) and records the amaxes. Where the model compiles with whole parameters (single, ddp),
   `runs_eager` tells the strategy to run that step eagerly (dtrain/strategies/eager_step.py),
-  so the only graphs compiled are the delayed ones that every later step runs: compiling the
-  dynamic step's too cost about as long again (at 1b on one H200, step 5 came 183 s into the
-  loop with the first step eager, and had not come after 305 s with it compiled: forty-second
-  session call 1). `DTRAIN_FP8_FIRST_STEP=compiled` compiles it too, for the A/B. Each rank's
+  so the only graphs compiled are the delayed ones that every later step runs. On 8b's blocks
+  cut to 16 on one H200, from empty compile caches, step 5 came 106 s into the loop against
+  161 s with the dynamic step compiled too (bf16: 43 s), at the same speed and memory after;
+  at 1b 142 s and 155 s, where the compiled first step had not reached step 5 after 300 s
+  (forty-second session, bench/results/2026-12-04-gpu-s42/).
+  `DTRAIN_FP8_FIRST_STEP=compiled` compiles it too, for the A/B. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was
   never stopped, bit for bit, and one compile instead of two. Saved by another number of
