@@ -115,19 +115,21 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     """Steps from r.start_step to r.end_step: eval, save and stop where they are due."""
     t = r.cfg.trainer
     step, end = r.start_step, r.end_step
-    gc_schedule = GcSchedule(t.gc_every)
+    slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
+    gc_schedule = GcSchedule(t.gc_every, compiling=slow)  # and collected after
     saver, report = Saver(r), StepReport(r, gc_schedule)
     progress = Progress(t.progress_bar and r.env.is_main, step, end)
     evals: list[tuple[int, float]] = []
     stopped_by_signal = False
     if r.strategy.compile_enabled and step < end:
-        # Minutes of silence on a GPU otherwise: the first step is where torch.compile works.
-        log.info("torch.compile: the first step compiles the model and may take a few minutes")
+        # Minutes of silence on a GPU otherwise: the first step is where torch.compile works
+        # (the second where fp8's first step runs eagerly: the last of the slow steps).
+        at = "the first step" if len(slow) < 2 else f"step {max(slow)}"
+        log.info(f"torch.compile: {at} compiles the model and may take a few minutes")
     if step == 0 and t.eval_every > 0:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()
     r.profiler.start()
-    slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
 
     with gc_schedule:  # Python's collector scheduled (or timed) while the steps run
         while step < end:

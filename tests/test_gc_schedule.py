@@ -27,7 +27,7 @@ def collections():
 
 def test_automatic_collection_is_off_and_the_young_are_collected_every_n_steps(collections):
     assert gc.isenabled()
-    with GcSchedule(every=3) as s:
+    with GcSchedule(every=3, compiling={5, 8}) as s:
         assert not gc.isenabled()
         collections.clear()  # the one on entry
         s.take()
@@ -36,7 +36,8 @@ def test_automatic_collection_is_off_and_the_young_are_collected_every_n_steps(c
             junk = [[] for _ in range(5000)]  # would trigger automatic gen-0 collections
             del junk
             s.step_done(step)
-            scheduled = step % 3 == 0 or step == 5  # and after the first (compiling) step
+            # and after the first step, and after each compiling one
+            scheduled = step % 3 == 0 or step in (5, 8)
             assert collections[before:] == ([1] if scheduled else []), step
             paused = s.take()
             assert (paused > 0) == scheduled, step  # each scheduled collection timed

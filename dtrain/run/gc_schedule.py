@@ -7,9 +7,10 @@ modules among them) and pauses that rank for tens of milliseconds, at a differen
 rank, and the others wait for it at the next collective. So, as torchtitan (`gc_freq`), OLMo-core
 and Composer do, the automatic collector is off while the loop runs, and every `every` steps
 each rank collects the young generations (gc.collect(1)), all at the same step, and once
-after the process's first step, the one that compiles: torch.compile leaves garbage in
-reference cycles (hundreds of thousands of objects on a cold cache, host memory only) that
-would otherwise wait for step `every`. What is collected, automatic or scheduled, is timed: the
+after the process's first step and after each step that compiles (`compiling`: the first, or
+the second where fp8's first step runs eagerly): torch.compile leaves garbage in reference
+cycles (hundreds of thousands of objects on a cold cache, host memory only) that would
+otherwise wait for step `every`. What is collected, automatic or scheduled, is timed: the
 loop logs its share of the wall time (perf/gc_pct).
 
 What survives a young collection moves to the oldest generation, which is not collected while
@@ -23,13 +24,15 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterable
 
 
 class GcSchedule:
     """Context manager around the step loop. every=0: Python's automatic collection, timed."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, compiling: Iterable[int] = ()):
         self.every = every
+        self.compiling = frozenset(compiling)  # steps that compile: a collection after each
         self.pause_s = 0.0  # time in collections since the last take()
         self._t0: float | None = None
         self._was_enabled = True
@@ -51,8 +54,11 @@ class GcSchedule:
     def step_done(self, step: int) -> None:
         if self._first is None:
             self._first = step
-        # The same steps on every rank: the same global step, and each rank's first.
-        if self.every > 0 and (step % self.every == 0 or step == self._first):
+        # The same steps on every rank: the same global step, each rank's first, and the
+        # compiling steps (every rank compiles at the same ones).
+        if self.every > 0 and (
+            step % self.every == 0 or step == self._first or step in self.compiling
+        ):
             gc.collect(1)
 
     def take(self) -> float:
