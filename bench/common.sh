@@ -40,11 +40,12 @@ dtrain_run() {  # $1 = result name, $2 = processes, then overrides (strategy=...
   rm -rf /tmp/runs/$name
   # FRESH_CACHE=1: each run compiles from nothing (its own Inductor and Triton caches), so
   # start-up times compare; otherwise a run reuses what an earlier one of the call compiled.
-  local cache=/tmp/cache_$name; rm -rf $cache
+  local cache=/tmp/cache_$name fresh=(); rm -rf $cache
   if [ "${FRESH_CACHE:-0}" = 1 ]; then
-    export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+    fresh=(env TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton)
   fi
-  $L launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name > $OUT/$name.log 2>&1
+  ${fresh[@]+"${fresh[@]}"} $L launch/train.py $COMMON "$@" hydra.run.dir=/tmp/runs/$name \
+    > $OUT/$name.log 2>&1
   tail -2 $OUT/$name.log
   # Prints the run's summary (one JSON line) and writes it to $OUT/$name.json.
   python3 bench/dtrain_result.py /tmp/runs/$name --out $OUT/$name.json

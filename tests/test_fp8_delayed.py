@@ -187,18 +187,13 @@ def test_the_strategy_rolls_after_each_step_and_starts_again_after_a_load():
     assert strategy("dynamic").post_step is None  # nothing to roll with dynamic scales
 
 
-@pytest.mark.parametrize("first", ["eager", "compiled"])
-def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(monkeypatch, first):
-    """Compiled, the first step (dynamic scales: no history yet) runs eagerly, as
-    DTRAIN_FP8_FIRST_STEP=eager (the default) has it: of the model only the loss is captured
-    (compiled apart, dtrain/strategies/eager_step.py), its loss and gradients are the eager
-    model's; the next step (delayed) is the first to capture the model, and the loop's
-    slow-step notice says so. After a load that restored no history: eager again. `compiled`
-    captures the first step whole, as before. (Dynamo's eager backend: what is counted is what
-    Dynamo captures, not Inductor's kernels.)"""
+@pytest.fixture
+def captured(monkeypatch):
+    """torch.compile through Dynamo's capture only (no Inductor): the set of op names of each
+    graph Dynamo captures, in order; the eager step's compiled losses and Dynamo's caches are
+    dropped afterwards, whatever the test did."""
     from dtrain.strategies import eager_step
 
-    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", first)
     graphs = []
 
     def capture(gm, example_inputs):
@@ -207,41 +202,105 @@ def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(monkeypatch, first
 
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, backend=capture, **kw))
-    eager_step._compiled.cache_clear()
+    eager_step._COMPILED.clear()
     torch._dynamo.reset()
+    yield graphs
+    eager_step._COMPILED.clear()
+    torch._dynamo.reset()
+
+
+def model_graphs(graphs) -> list:
+    return [g for g in graphs if any("embedding" in t for t in g)]
+
+
+def plain_block_and_loss(s: SingleStrategy) -> bool:
+    from dtrain.model import lm_loss
+
+    blocks = s.module.layers.values()
+    return s.module.loss_fn is lm_loss and all("forward" not in b.__dict__ for b in blocks)
+
+
+@pytest.mark.parametrize("first", ["eager", "compiled"])
+def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(monkeypatch, captured, first):
+    """Compiled, the first step (dynamic scales: no history yet) runs eagerly, as
+    DTRAIN_FP8_FIRST_STEP=eager (the default) has it: of the model only the loss is captured
+    (compiled apart, dtrain/strategies/eager_step.py), so does an eval before it, its loss and
+    gradients are the eager model's; the next step (delayed) is the first to capture the model,
+    and the loop's slow-step notice and compiling step say so. After a load that restored no
+    history: eager again. `compiled` captures the first step whole, as before. (Dynamo's
+    capture only: what is counted is what Dynamo captures, not Inductor's kernels.)"""
+    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", first)
     s, ref = strategy("delayed", compile=True), strategy("delayed")
     eager = lambda: s.step_mode is not None and s.step_mode.runs_eager()  # noqa: E731
-    model_graphs = lambda: [g for g in graphs if any("embedding" in t for t in g)]  # noqa: E731
     assert eager() is (first == "eager")
     slow = s.slow_steps(1)
     assert list(slow) == ([1, 2] if first == "eager" else [1])
+    assert s.compiling_step(1) == max(slow)
     assert "torch.compile" in slow[max(slow)]
     assert ("eagerly" in slow[1]) is (first == "eager")
     x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    evaluated = s.eval_loss(x, x)  # trainer.eval_every's eval at step 0
+    assert bool(model_graphs(captured)) is (first == "compiled")
+    assert plain_block_and_loss(s)
     loss = s.forward_backward(x, x, last_micro=True, loss_div=1)
     if first == "eager":
-        assert not model_graphs() and any(any("cross_entropy" in t for t in g) for g in graphs)
+        assert not model_graphs(captured)
+        assert any(any("cross_entropy" in t for t in g) for g in captured)
+        assert torch.equal(evaluated, ref.eval_loss(x, x))
         assert torch.equal(loss, ref.forward_backward(x, x, last_micro=True, loss_div=1))
         for p, q in zip(s.module.parameters(), ref.module.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
-        assert "forward" not in s.module.layers["0"].__dict__  # the blocks' own again
+        assert plain_block_and_loss(s)  # the blocks' own forward and the loss again
     else:
-        assert model_graphs()
+        assert model_graphs(captured)
     s.clip_and_step(lr=1e-3, grad_clip=1.0)
-    assert not eager() and s.slow_steps(2) == {2: slow[max(slow)]}
-    before = len(model_graphs())
+    assert not eager() and s.slow_steps(2) == {2: slow[max(slow)]} and s.compiling_step(2) == 2
+    before = len(model_graphs(captured))
     s.forward_backward(x, x, last_micro=True, loss_div=1)  # delayed: captures the model
-    assert len(model_graphs()) > before
+    assert len(model_graphs(captured)) > before
     s.clip_and_step(lr=1e-3, grad_clip=1.0)
     s.load_state_dict(s.state_dict())  # the model's state only: no history restored
     assert eager() is (first == "eager")
-    eager_step._compiled.cache_clear()
 
 
-def test_the_eager_step_keeps_each_blocks_input_only():
-    """The eager first step recomputes each block in backward: what autograd saves is a small
-    part of what the plain eager step saves (the loss is left out here: it is compiled there)."""
+def test_the_eager_step_puts_the_model_back_when_a_step_fails(captured):
     from dtrain.strategies.eager_step import eager_step
+
+    s = strategy("delayed", compile=True)
+    x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match="boom"):
+        with eager_step(s.module):
+            assert not plain_block_and_loss(s)
+            s.module(x, x)
+            raise RuntimeError("boom")
+    assert plain_block_and_loss(s)
+    assert not model_graphs(captured)
+    s.model(x, x)  # the compiler's stance is back: the compiled model captures
+    assert model_graphs(captured)
+
+
+def test_only_whole_parameters_under_compile_get_an_eager_first_step(monkeypatch):
+    from dtrain.precision import precision_hooks
+
+    monkeypatch.delenv("DTRAIN_FP8_FIRST_STEP", raising=False)
+    assert strategy("delayed").step_mode is None  # nothing compiles: nothing to run eagerly
+    assert strategy("dynamic", compile=True).step_mode is None  # no history to wait for
+    s = strategy("delayed")
+    hooks = [
+        precision_hooks(s.precision, s.module, CPU, sharded=sharded, compiled=True)
+        for sharded in (False, True)
+    ]
+    # sharded (fsdp): a recompute of a block's forward would skip its all-gather hooks
+    assert hooks[0].step_mode is not None and hooks[1].step_mode is None
+    assert hooks[1].rank_state is not None  # delayed all the same
+
+
+def test_the_eager_step_keeps_each_blocks_input_only(monkeypatch):
+    """The eager first step recomputes each block in backward: what autograd saves is a small
+    part of what the plain eager step saves (the loss, compiled there, is a plain one here)."""
+    from dtrain.strategies import eager_step
+
+    monkeypatch.setattr(eager_step, "_compiled", lambda fn: fn)  # no Inductor on the CPU
 
     def saved_bytes(context) -> int:
         s = strategy("delayed")
@@ -258,14 +317,9 @@ def test_the_eager_step_keeps_each_blocks_input_only():
             s.module(x, x).backward()
         return total
 
-    plain, checkpointed = saved_bytes(lambda m: contextlib.nullcontext()), saved_bytes(eager_step)
+    plain = saved_bytes(lambda m: contextlib.nullcontext())
+    checkpointed = saved_bytes(eager_step.eager_step)
     assert checkpointed < plain / 4, (checkpointed, plain)
-
-
-def test_an_eager_model_has_no_step_mode(monkeypatch):
-    monkeypatch.delenv("DTRAIN_FP8_FIRST_STEP", raising=False)
-    assert strategy("delayed").step_mode is None  # nothing compiles: nothing to run eagerly
-    assert strategy("dynamic", compile=True).step_mode is None  # no history to wait for
 
 
 def test_a_resume_restores_each_ranks_history_and_a_mismatch_starts_dynamic(caplog):

@@ -254,12 +254,18 @@ class Strategy:
             return "torch.compile is tracing the model and Inductor is generating its kernels"
         return None
 
+    def compiling_step(self, first_step: int) -> int:
+        """The loop step of this process where torch.compile builds the model's graphs: the
+        first, or the next where the precision runs the first eagerly (fp8's dynamic step)."""
+        eager = self.step_mode is not None and self.step_mode.runs_eager()
+        return first_step + 1 if eager else first_step
+
     def slow_steps(self, first_step: int) -> dict[int, str]:
         """The loop steps of this process that run long, each with what it does then (the
         loop says it in the log while such a step runs): by default the first, which compiles.
         `first_step` is the process's first loop step (after a resume, not 1)."""
         what = self.first_step_work()
-        if what and self.step_mode is not None and self.step_mode.runs_eager():
+        if what and self.compiling_step(first_step) != first_step:
             # fp8's dynamic first step runs eagerly: the next one compiles
             eager = "fp8 scales this first step dynamically, eagerly (no amax history yet)"
             return {first_step: eager, first_step + 1: what}

@@ -24,20 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# The loss compiled for the eager step, per loss function (dtrain.model.lm_loss): made once a
+# process, and gone with the function.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-@functools.cache
+
 def _compiled(loss_fn):
-    return torch.compile(loss_fn)
+    if loss_fn not in _COMPILED:
+        _COMPILED[loss_fn] = torch.compile(loss_fn)
+    return _COMPILED[loss_fn]
 
 
 def _in_default_stance(loss_fn):
     # torch.compile's wrapper keeps the function it compiles here: compiled already (the blocks
-    # scope) it is used as it is, so its graph is the one the later steps run.
+    # scope) it is used as it is, so its graph is the one the later steps run. An eval before
+    # the first step (trainer.eval_every, at step 0) compiles it without gradients, and the
+    # step then once more with them: one small graph.
     compiled = loss_fn if hasattr(loss_fn, "_torchdynamo_orig_callable") else _compiled(loss_fn)
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -54,10 +62,10 @@ def eager_step(model: nn.Module):
     blocks = list(model.layers.values())
     own = [block.__dict__.get("forward") for block in blocks]  # an instance's own, if any
     loss_fn = model.loss_fn
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    model.loss_fn = _in_default_stance(loss_fn)
     try:
+        for block in blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        model.loss_fn = _in_default_stance(loss_fn)
         with torch.compiler.set_stance("force_eager"):
             yield
     finally:
