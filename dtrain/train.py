@@ -26,7 +26,7 @@ from dtrain.run.gc_schedule import GcSchedule
 from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
-from dtrain.run.slow_step import SlowStepNotice
+from dtrain.run.slow_step import SlowStepNotice, SlowSteps
 from dtrain.rundir import hold_run_dir
 
 log = logging.getLogger("dtrain")
@@ -115,7 +115,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     """Steps from r.start_step to r.end_step: eval, save and stop where they are due."""
     t = r.cfg.trainer
     step, end = r.start_step, r.end_step
-    slow = r.strategy.slow_steps(step + 1)  # compiling steps: said in the log while they run
+    slow = SlowSteps(r.strategy, step + 1)  # compiling steps: said in the log while they run
     gc_schedule = GcSchedule(t.gc_every, compiling=slow)  # and collected after
     saver, report = Saver(r), StepReport(r, gc_schedule)
     progress = Progress(t.progress_bar and r.env.is_main, step, end)
@@ -134,7 +134,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
 
     with gc_schedule:  # Python's collector scheduled (or timed) while the steps run
         while step < end:
-            with SlowStepNotice(step + 1, slow.get(step + 1)):  # stopped however it ends
+            with SlowStepNotice(step + 1, slow.what(step + 1)):  # stopped however it ends
                 lr, grad_norm = one_step(r, report, step, heartbeat)
             step += 1
             # Before the report: a logged step waits for the GPU, and a collection made while

@@ -547,3 +547,33 @@ def test_fp8_scaling_auto_is_delayed_where_parameters_are_whole():
     with pytest.raises(ConfigError, match="applies to precision.fp8_scaling=delayed only"):
         build_precision(replace(fp8, fp8_amax_history=4), cpu, shards_params=True)
     build_precision(replace(fp8, fp8_amax_history=4), cpu)  # delayed on one rank: taken
+
+
+def test_a_non_finite_first_step_runs_eagerly_again_and_the_log_says_so(monkeypatch, captured):
+    """A first step whose amaxes are not finite resets the scales (no history to start from),
+    so the next step is dynamic too and runs eagerly again: the loop's slow-step plan
+    (dtrain/run/slow_step.py) moves with it, naming step 2 eager and step 3 the compiling one,
+    and the collector's schedule (which asks it) collects after step 3."""
+    from dtrain.run.slow_step import SlowSteps
+
+    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", "eager")
+    s = strategy("delayed", compile=True)
+    slow = SlowSteps(s, 1)
+    assert "eagerly" in slow.what(1) and 1 in slow and 2 in slow
+    x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    params = [p.detach().clone() for p in s.module.parameters()]
+    with torch.no_grad():  # a non-finite activation: every amax of the first step is NaN
+        s.module.tok_embeddings.weight[x[0, 0]] = float("nan")
+    s.forward_backward(x, x, last_micro=True, loss_div=1)
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    assert s.step_mode.runs_eager()  # the scales were reset: step 2 is dynamic again
+    with torch.no_grad():  # finite weights again (as a skipped step would have kept them)
+        for p, kept in zip(s.module.parameters(), params, strict=True):
+            p.copy_(kept)
+    assert "eagerly" in slow.what(2) and 2 in slow
+    s.forward_backward(x, x, last_micro=True, loss_div=1)
+    s.clip_and_step(lr=1e-3, grad_clip=1.0)
+    assert not model_graphs(captured)  # steps 1 and 2 both eager
+    assert "torch.compile" in slow.what(3) and 3 in slow and 4 not in slow
+    s.forward_backward(x, x, last_micro=True, loss_div=1)
+    assert model_graphs(captured)  # step 3 compiles, as said

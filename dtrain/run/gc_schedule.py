@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Container
 
 
 class GcSchedule:
     """Context manager around the step loop. every=0: Python's automatic collection, timed."""
 
-    def __init__(self, every: int, compiling: Iterable[int] = ()):
+    def __init__(self, every: int, compiling: Container[int] = ()):
         self.every = every
-        self.compiling = frozenset(compiling)  # steps that compile: a collection after each
+        # steps that compile (asked as each ends: the plan can move, dtrain/run/slow_step.py)
+        self.compiling = compiling
         self.pause_s = 0.0  # time in collections since the last take()
         self._t0: float | None = None
         self._was_enabled = True

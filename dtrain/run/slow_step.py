@@ -1,5 +1,6 @@
 """A step that runs long says so: the first step compiles (torch.compile, DeepCompile) and can
-take minutes, which a user would otherwise watch in silence."""
+take minutes, which a user would otherwise watch in silence. `SlowSteps` knows which steps those
+are (the strategy's plan), `SlowStepNotice` says it while one runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,32 @@ import threading
 import time
 
 log = logging.getLogger("dtrain")
+
+
+class SlowSteps:
+    """The loop steps of this process that run long, each with what it does (the strategy's
+    `slow_steps`), asked for step by step. The plan is made again at its compiling step if the
+    strategy's step mode still runs that step eagerly: fp8's first step found a non-finite
+    amax, so its scales were reset and the step after it is dynamic too, eager again, and the
+    model compiles a step later than planned. `step in slow_steps`: a step that runs long
+    (the collector runs after each: dtrain/run/gc_schedule.py)."""
+
+    def __init__(self, strategy, first_step: int):
+        self.strategy = strategy
+        self._plan(first_step)
+
+    def _plan(self, step: int) -> None:
+        self.steps = self.strategy.slow_steps(step)
+        self.compiling_at = self.strategy.compiling_step(step)
+
+    def what(self, step: int) -> str | None:
+        """What `step`, about to run, does that takes long, or None: asked before it runs."""
+        if step == self.compiling_at and self.strategy.compiling_step(step) != step:
+            self._plan(step)
+        return self.steps.get(step)
+
+    def __contains__(self, step: int) -> bool:
+        return step in self.steps
 
 
 class SlowStepNotice:

@@ -267,7 +267,7 @@ class Strategy:
         what = self.first_step_work()
         if what and self.compiling_step(first_step) != first_step:
             # fp8's dynamic first step runs eagerly: the next one compiles
-            eager = "fp8 scales this first step dynamically, eagerly (no amax history yet)"
+            eager = "fp8 scales this step dynamically, eagerly (no amax history yet)"
             return {first_step: eager, first_step + 1: what}
         return {first_step: what} if what else {}
 
