@@ -122,7 +122,9 @@ QUANT_SPEED = {
 # call, 66,957 over 65,763 tokens/s (1.018, the same call): planned 1.023. Earlier kernels, each
 # against the default of its own call, are planned within 1% too (tests/test_planner.py): the
 # Gluon kernel's 128-wide tile (1.20x bf16; 0.987, 2026-12-02-gpu-s31/call2_runs) and the
-# Triton kernel (0.946x; 0.943, 2026-12-02-gpu-s30/call5_runs).
+# Triton kernel (0.946x; 0.943, 2026-12-02-gpu-s30/call5_runs). Not fitted, 8b's widths (16 of
+# its blocks, seq 8192, one H200): 22,161 over 21,231 (1.044), planned 1.056
+# (2026-12-04-gpu-s43/call3_slice8b_int8_grouped).
 GROUPED_GRAD_WEIGHT_VS_BF16 = 1.47
 GROUPED_CAST_PASSES = 1.0
 
