@@ -175,6 +175,34 @@ def test_every_slow_step_the_strategy_names_is_announced_while_it_runs(tmp_path,
     assert armed == [(1, "a"), (2, None), (3, "b"), (4, None)]
 
 
+def test_the_slow_steps_move_with_an_eager_step_and_keep_what_comes_later(caplog):
+    """Where the strategy's step mode still runs the planned compiling step eagerly (fp8's
+    first step was not finite), the plan from that step moves by one and says so in the log;
+    a slow step the first plan put later (DeepSpeed's second compile, counted from the
+    process's first step) stays where it was."""
+    from dtrain.run.slow_step import SlowSteps
+
+    class Planned:
+        eager = {10}  # the steps where the step mode runs eagerly
+
+        def compiling_step(self, first):
+            return first + 1 if first in self.eager else first
+
+        def slow_steps(self, first):
+            steps = {first: "eager", first + 1: "compile"} if first in self.eager else {}
+            return steps | {self.compiling_step(first): "compile", first + 50: "again"}
+
+    strategy = Planned()
+    slow = SlowSteps(strategy, 10)
+    assert slow.what(10) == "eager" and slow.compiling_at == 11
+    strategy.eager = {11}  # step 10 was not finite: step 11 runs eagerly too
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        assert slow.what(11) == "eager"
+    assert "step 11 runs eagerly as well" in caplog.text and "step 12 compiles" in caplog.text
+    assert slow.what(12) == "compile" and slow.steps == {11: "eager", 12: "compile", 60: "again"}
+    assert 12 in slow and 13 not in slow and 61 not in slow
+
+
 def test_deepcompiles_second_compile_is_a_named_slow_step():
     """DeepSpeed's default schedule compiles again after WARMUP optimizer steps of this
     process (a resumed run counts from its own first step); the `once` schedule does not."""

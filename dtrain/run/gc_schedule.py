@@ -7,8 +7,9 @@ modules among them) and pauses that rank for tens of milliseconds, at a differen
 rank, and the others wait for it at the next collective. So, as torchtitan (`gc_freq`), OLMo-core
 and Composer do, the automatic collector is off while the loop runs, and every `every` steps
 each rank collects the young generations (gc.collect(1)), all at the same step, and once
-after the process's first step and after each step that compiles (`compiling`: the first, or
-the second where fp8's first step runs eagerly): torch.compile leaves garbage in reference
+after the process's first step and after each of the strategy's slow steps (`compiling`,
+dtrain/run/slow_step.py: the step that compiles, the first or a later one where fp8's first
+steps run eagerly, and those eager steps): torch.compile leaves garbage in reference
 cycles (hundreds of thousands of objects on a cold cache, host memory only) that would
 otherwise wait for step `every`. What is collected, automatic or scheduled, is timed: the
 loop logs its share of the wall time (perf/gc_pct).
@@ -32,7 +33,7 @@ class GcSchedule:
 
     def __init__(self, every: int, compiling: Container[int] = ()):
         self.every = every
-        # steps that compile (asked as each ends: the plan can move, dtrain/run/slow_step.py)
+        # the slow steps, the compiling one among them (asked as each ends: the plan can move)
         self.compiling = compiling
         self.pause_s = 0.0  # time in collections since the last take()
         self._t0: float | None = None

@@ -7,31 +7,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtrain.strategies.base import Strategy
 
 log = logging.getLogger("dtrain")
 
 
 class SlowSteps:
     """The loop steps of this process that run long, each with what it does (the strategy's
-    `slow_steps`), asked for step by step. The plan is made again at its compiling step if the
+    `slow_steps`), asked for step by step. The plan moves at its compiling step if the
     strategy's step mode still runs that step eagerly: fp8's first step found a non-finite
     amax, so its scales were reset and the step after it is dynamic too, eager again, and the
     model compiles a step later than planned. `step in slow_steps`: a step that runs long
     (the collector runs after each: dtrain/run/gc_schedule.py)."""
 
-    def __init__(self, strategy, first_step: int):
+    def __init__(self, strategy: Strategy, first_step: int):
         self.strategy = strategy
-        self._plan(first_step)
-
-    def _plan(self, step: int) -> None:
-        self.steps = self.strategy.slow_steps(step)
-        self.compiling_at = self.strategy.compiling_step(step)
+        self.steps: dict[int, str] = strategy.slow_steps(first_step)
+        self.compiling_at: int = strategy.compiling_step(first_step)
 
     def what(self, step: int) -> str | None:
         """What `step`, about to run, does that takes long, or None: asked before it runs."""
         if step == self.compiling_at and self.strategy.compiling_step(step) != step:
-            self._plan(step)
+            self._move(step)
         return self.steps.get(step)
+
+    def _move(self, step: int) -> None:
+        """`step` runs eagerly too: the strategy's plan from it up to its new compiling step;
+        what the old plan had later stays where it was (DeepSpeed's second compile counts
+        from the process's first step, not from this one)."""
+        self.compiling_at = self.strategy.compiling_step(step)
+        moved = self.strategy.slow_steps(step).items()
+        later = {k: v for k, v in self.steps.items() if k > self.compiling_at}
+        self.steps = later | {k: v for k, v in moved if k <= self.compiling_at}
+        log.info(
+            "step %d runs eagerly as well: the step before found a non-finite amax and fp8's "
+            "scales were reset; step %d compiles the model",
+            step,
+            self.compiling_at,
+        )
 
     def __contains__(self, step: int) -> bool:
         return step in self.steps
