@@ -124,8 +124,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     if r.strategy.compile_enabled and step < end:
         # Minutes of silence on a GPU otherwise: the first step is where torch.compile works
         # (the second where fp8's first step runs eagerly).
-        at = r.strategy.compiling_step(step + 1)
-        at = "the first step" if at == step + 1 else f"step {at}"
+        at = "the first step" if slow.compiling_at == step + 1 else f"step {slow.compiling_at}"
         log.info(f"torch.compile: {at} compiles the model and may take a few minutes")
     if step == 0 and t.eval_every > 0:
         evals.append((0, evaluate(r, 0)))
