@@ -26,22 +26,25 @@ raised on the main thread.
 
 Loading trusts nothing on disk: the manifest is checked against the marker's sha256 and its
 step against the folder's name, every file's sha256 against the manifest (a truncated or
-altered shard is named), DCP's pickled `.metadata` is first read by an unpickler that only
-admits DCP's own metadata classes, the pickled non-tensor items inside the shards (the
-optimizer's param_groups) are read as plain values only (dtrain.safe_load), and
-`extra_rank*.pt` is read with `torch.load(weights_only=True)`. No code in a checkpoint runs.
+altered shard is named), the manifest's fields against their types and ranges, DCP's pickled
+`.metadata` is read by an unpickler that admits an exact list of DCP's own metadata classes,
+the pickled non-tensor items inside the shards (the optimizer's param_groups) and
+`extra_rank*.pt` are read as plain values only (dtrain.safe_load), and each rank's RNG state is
+checked before it is applied. Loaders open only regular files the manifest lists: a link, FIFO,
+socket, device or directory in their place is refused without being opened or followed. No
+code in a checkpoint runs.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
+import stat
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,8 +74,57 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def file_kind(path: Path) -> str | None:
+    """What `path` is, without following a link or opening it: "file" (regular), "missing",
+    or what it is instead ("a symbolic link", "a FIFO", ...)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return "file"
+    kinds = {
+        stat.S_ISLNK: "a symbolic link",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a device",
+        stat.S_ISBLK: "a device",
+        stat.S_ISDIR: "a directory",
+    }
+    return next((k for test, k in kinds.items() if test(mode)), "not a regular file")
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of `path` if it is a regular file and no link: anything else in
+    a checkpoint (a FIFO that would block, a device, a link leaving the folder) is refused
+    before it is opened. CheckpointError names it."""
+    kind = file_kind(path)
+    if kind == "missing":
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing")
+    if kind != "file":
+        raise CheckpointError(
+            f"checkpoint {path.parent}: {path.name} is {kind}, not a regular file; refused to "
+            "open it"
+        )
+    try:  # O_NONBLOCK: a FIFO swapped in after the check still cannot block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint {path.parent}: {path.name} is unreadable ({e})"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(
+            f"checkpoint {path.parent}: {path.name} is not a regular file; refused to read it"
+        )
+    os.set_blocking(fd, True)
+    return fd
+
+
 def is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / MANIFEST).is_file()
+    return file_kind(path / MARKER) == "file" and file_kind(path / MANIFEST) == "file"
 
 
 def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -131,19 +183,50 @@ _legacy_warned: set[Path] = set()  # one warning per checkpoint, not one per rea
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(Path(path)), "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
 
 
+def create_new(path: Path, mode: str = "wb"):
+    """A new file at `path`, opened for writing: never through a link, never over a file that
+    is there already (FileExistsError names it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o644), mode)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with create_new(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    if os.path.lexists(path):  # the folder is this save's own: anything there was planted
+        raise FileExistsError(
+            errno.EEXIST, "refused to replace a file this save did not make", path
+        )
     os.replace(tmp, path)
+
+
+def _remove_own_dir(path: Path, quiet: bool = False) -> None:
+    """Remove a folder a save left (a .partial, a .deleting, an older save of the step); a link
+    or file in its place was not made by a save: refused (OSError), or left alone (`quiet`)."""
+    kind = file_kind(path)
+    if kind == "missing":
+        return
+    if kind != "a directory":
+        if quiet:
+            return
+        raise OSError(errno.EEXIST, f"{kind} is in the way, refused to replace it", str(path))
+    shutil.rmtree(path, ignore_errors=quiet)  # never follows links inside it
+
+
+def _rename_new(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`, which must not exist: never over a file or link it did not make."""
+    if os.path.lexists(dst):
+        raise OSError(errno.EEXIST, "refused to replace what is there", str(dst))
+    os.replace(src, dst)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -173,6 +256,27 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+# torch's generator states: the CPU one (mt19937) is a fixed-size uint8 tensor, CUDA's (Philox)
+# its seed and offset, two 8-byte integers.
+_CPU_RNG_BYTES = torch.get_rng_state().numel()
+_CUDA_RNG_BYTES = 16
+
+
+def rng_problem(state: object) -> str | None:
+    """What is wrong with a saved rng_state() (one line), or None: checked before any of it is
+    applied, as torch.set_rng_state would fail or crash on a state of the wrong shape."""
+    if not isinstance(state, dict) or "torch" not in state:
+        return "its RNG state is not a dict holding 'torch'"
+    for key, t in state.items():
+        size = {"torch": _CPU_RNG_BYTES, "cuda": _CUDA_RNG_BYTES}.get(key)
+        if size is None:
+            return f"its RNG state holds an unknown generator {key!r}"
+        if type(t) is not torch.Tensor or t.dtype != torch.uint8 or t.shape != (size,):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"its {key} RNG state is not {size} uint8 bytes (got {got})"
+    return None
 
 
 def set_rng_state(state: dict) -> None:
@@ -224,58 +328,51 @@ def _describe_save_error(e: BaseException, folder: Path) -> str | None:
     return None
 
 
-# What DCP's .metadata may contain; anything else in it is refused before DCP unpickles it.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        ok = (module, name) in _SAFE_GLOBALS
-        ok = ok or (module in _DCP_MODULES and not name.startswith("__"))
-        ok = ok or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not ok:
-            raise pickle.UnpicklingError(f"refused to load {module}.{name}")
-        obj = super().find_class(module, name)
-        if module in _DCP_MODULES and not isinstance(obj, type):
-            if not (module.endswith("metadata") and name == "_MEM_FORMAT_ENCODING"):
-                raise pickle.UnpicklingError(f"refused to load {module}.{name}")
-        return obj
-
-
-def check_metadata(path: Path) -> None:
-    """Read DCP's pickled .metadata with an allow-list unpickler (DCP itself uses pickle.load)."""
-    meta = Path(path) / ".metadata"
-    try:
-        _MetadataUnpickler(io.BytesIO(meta.read_bytes())).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: .metadata is missing") from None
-    except Exception as e:  # any unpickling failure: refuse, naming the file
-        raise CheckpointError(
-            f"checkpoint {path}: .metadata is not a plain DCP index, refused to load it ({e})"
-        ) from None
-
-
 def check_checkpoint(
     path: Path, manifest: dict, *, files: bool = True, rank: int = 0, world_size: int = 1
 ) -> None:
-    """What every loader checks before DCP reads a checkpoint: the checksums (`files`;
-    collective under torchrun), the .metadata allow-list, and that every pickled item in the
-    shards is a plain value. A CheckpointError names the first problem."""
+    """What every loader checks before DCP reads a checkpoint: that every file the manifest
+    lists is a regular file, the checksums (`files`; collective under torchrun), the .metadata
+    allow-list and the files it names, that every pickled item in the shards is a plain value,
+    and every rank's own state. A CheckpointError names the first problem."""
     from dtrain.safe_load import check_objects
 
+    listed = manifest["files"]
+    for name in sorted(listed):
+        kind = file_kind(Path(path) / name)
+        if kind != "file":
+            what = "missing" if kind == "missing" else f"{kind}, not a regular file"
+            raise CheckpointError(f"checkpoint {path}: {name} is {what}")
     if files:
         verify(path, manifest, rank, world_size)
-    check_metadata(path)
-    check_objects(path)
+    check_objects(path, listed)
+    for name in sorted(n for n in listed if _EXTRA_RE.match(n)):
+        read_rank_state(Path(path), name)
+
+
+_EXTRA_RE = re.compile(r"^extra_rank\d+\.pt$")
+RANK_STATE_MAX_BYTES = 1 << 30  # RNG states and fp8's amax histories: kilobytes
+
+
+def read_rank_state(path: Path, name: str) -> tuple[dict, dict | None]:
+    """A rank's (RNG state, own state) from its extra_rank{r}.pt, read as plain values and
+    checked; CheckpointError naming the file otherwise."""
+    from dtrain.safe_load import RefusedObject, load_plain_file
+
+    try:
+        saved = load_plain_file(path / name, RANK_STATE_MAX_BYTES)
+    except RefusedObject as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {name} holds more than tensors, refused to unpickle it ({e.what})"
+        ) from None
+    why = "it is not a dict holding 'rng'" if not isinstance(saved, dict) else None
+    why = why or rng_problem(saved.get("rng"))
+    rank_state = saved.get("rank") if not why else None
+    if not why and rank_state is not None and not isinstance(rank_state, dict):
+        why = f"its rank state is a {type(rank_state).__name__}, not a dict"
+    if why:
+        raise CheckpointError(f"checkpoint {path}: {name} is malformed: {why}")
+    return saved["rng"], rank_state or None
 
 
 def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> None:
@@ -292,15 +389,20 @@ def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> No
         sizes = manifest.get("sizes", {})
         for name in sorted(files)[rank::world_size]:
             f = Path(path) / name
-            if "/" in name or name in ("..", "."):
+            kind = file_kind(f)
+            if not _plain_name(name):
                 bad = f"{MANIFEST} names a file outside the checkpoint: {name!r}"
-            elif not f.is_file():
-                bad = f"{name} is missing"
-            elif name in sizes and f.stat().st_size != sizes[name]:
-                got = f.stat().st_size
+            elif kind != "file":
+                bad = f"{name} is missing" if kind == "missing" else f"{name} is {kind}"
+            elif name in sizes and os.lstat(f).st_size != sizes[name]:
+                got = os.lstat(f).st_size
                 bad = f"{name} is truncated or padded ({got} bytes, expected {sizes[name]})"
-            elif sha256_file(f) != files[name]:
-                bad = f"{name} is corrupt (sha256 differs from {MANIFEST})"
+            else:
+                try:
+                    if sha256_file(f) != files[name]:
+                        bad = f"{name} is corrupt (sha256 differs from {MANIFEST})"
+                except CheckpointError as e:  # swapped for something else since the check
+                    bad = str(e).split(": ", 1)[-1]
             if bad:
                 break
     # world_size 1: a single-process check (also rank 0 deciding alone for all ranks).
@@ -308,6 +410,52 @@ def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> No
     first = next((v for v in verdicts if v), None)
     if first:
         raise CheckpointError(f"checkpoint {path}: {first}")
+
+
+MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists a few files per rank and the run's config
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _plain_name(name: object) -> bool:
+    """A file name inside the checkpoint folder: no path, no parent, no NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not set(name) & {"/", "\0"}
+
+
+def _count(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """The first field of a (signed) manifest of the wrong type or out of range, as one line
+    naming it, or None: a re-signed manifest is as untrusted as any other input."""
+    files, sizes = manifest.get("files"), manifest.get("sizes", {})
+    if not isinstance(files, dict) or not files:
+        return f"'files' must map file names to sha256 digests, got {_short(files)}"
+    for name, digest in files.items():
+        if not _plain_name(name):
+            return f"'files' names a file outside the checkpoint: {name!r}"
+        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+            return f"'files'[{name!r}] must be a sha256 hex digest, got {_short(digest)}"
+    if not isinstance(sizes, dict):
+        return f"'sizes' must map file names to byte counts, got {_short(sizes)}"
+    for name, size in sizes.items():
+        if name not in files or not _count(size, 0):
+            return f"'sizes'[{name!r}] must be the byte count of a listed file, got {_short(size)}"
+    if "world_size" in manifest and not _count(manifest["world_size"], 1):
+        return f"'world_size' must be an integer >= 1, got {_short(manifest['world_size'])}"
+    for key in ("identity", "data", "config"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            return f"'{key}' must be a JSON object, got {_short(manifest[key])}"
+    for part in ("model", "data"):
+        value = manifest.get("config", {}).get(part, {})
+        if not isinstance(value, dict):
+            return f"'config.{part}' must be a JSON object, got {_short(value)}"
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -360,7 +508,10 @@ def _storage_writer(partial: Path, step: int, *, keep_host_buffers: bool = False
             faults.point("ckpt.save.write", step=self.step)
             return super().write_data(plan, planner)
 
+    from dtrain.safe_load import RegularFiles
+
     writer = Writer(str(partial), cache_staged_state_dict=keep_host_buffers)
+    writer.fs = RegularFiles()  # shards are new files in the new folder: never through a link
     writer.step = step
     return writer
 
@@ -707,9 +858,8 @@ class CheckpointManager:
             try:
                 faults.point("ckpt.save.begin", step=step)
                 self.root.mkdir(parents=True, exist_ok=True)
-                if partial.exists():  # left by a crash: never part of a complete checkpoint
-                    shutil.rmtree(partial)
-                partial.mkdir()
+                _remove_own_dir(partial)  # left by a crash: never part of a complete one
+                partial.mkdir()  # fails on anything there: the folder is this save's alone
             except OSError as e:
                 err = f"{e}"
         err = ddist.broadcast_object(err)  # also the barrier before anyone writes
@@ -726,7 +876,8 @@ class CheckpointManager:
             write()
             faults.point("ckpt.save.after_dcp", step=step)
             extra_path = partial / f"extra_rank{self.rank}.pt"
-            torch.save({"rng": rng, "rank": rank_state or {}}, extra_path)
+            with create_new(extra_path) as f:
+                torch.save({"rng": rng, "rank": rank_state or {}}, f)
             faults.point("ckpt.save.after_extra", step=step)
             mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
             return {p.name: _synced_hash(p) for p in mine}
@@ -764,8 +915,7 @@ class CheckpointManager:
                 # The marker signs the manifest: an edited step or data position is refused.
                 _write_atomic(partial / MARKER, marker_text(sha256_file(partial / MANIFEST)))
                 faults.point("ckpt.save.after_marker", step=step)
-                if final.exists():  # an older save of the same step (e.g. rerun): replace it
-                    shutil.rmtree(final)
+                _remove_own_dir(final)  # an older save of the same step (e.g. rerun)
                 os.replace(partial, final)
                 _fsync_dir(self.root)
             except OSError as e:
@@ -794,16 +944,16 @@ class CheckpointManager:
         # A .partial folder here is left by a save that died (saves never overlap, async ones
         # included: this runs in a save's commit, and the next save waits for it): drop it.
         for stale in self.root.glob("step_*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_own_dir(stale, quiet=True)
         for leftover in self.root.glob("step_*.deleting"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            _remove_own_dir(leftover, quiet=True)
         if self.cfg.keep_last <= 0:
             return
         complete = list_complete(self.root)
         for _, path in complete[: -self.cfg.keep_last]:
             doomed = path.with_name(path.name + ".deleting")
             try:
-                os.replace(path, doomed)
+                _rename_new(path, doomed)
                 faults.point("ckpt.prune")
                 shutil.rmtree(doomed)
             except OSError as e:  # a full disk must not turn a good save into a failure
@@ -827,18 +977,21 @@ class CheckpointManager:
                 f"consolidate its weights with DeepSpeed's `python {path}/zero_to_fp32.py {path} "
                 "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save its own format)"
             )
-        if not (path / MARKER).is_file():
+        if file_kind(path / MARKER) == "missing":
             raise CheckpointError(
                 f"checkpoint {path} is incomplete (no {MARKER} marker): it was interrupted "
                 f"while being written; resume from an earlier one or use resume=auto"
             )
-        if not (path / MANIFEST).is_file():
+        if file_kind(path / MANIFEST) == "missing":
             raise CheckpointError(
                 f"checkpoint {path}: {MANIFEST} is missing (its {MARKER} marker is there, so it "
                 "was removed after the save)"
             )
+        from dtrain.safe_load import read_regular
+
         try:
-            marker, raw = (path / MARKER).read_text(), (path / MANIFEST).read_bytes()
+            marker = read_regular(path / MARKER, 4096).decode()
+            raw = read_regular(path / MANIFEST, MANIFEST_MAX_BYTES)
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(
                 f"checkpoint {path}: unreadable {MARKER} or {MANIFEST} ({e})"
@@ -872,6 +1025,9 @@ class CheckpointManager:
         step = manifest.get("step") if isinstance(manifest, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} has no valid step ({step!r})")
+        why = manifest_problem(manifest)
+        if why:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: {why}")
         named = _STEP_RE.match(path.name)
         if named and int(named.group(1)) != step:
             raise CheckpointError(
@@ -895,24 +1051,16 @@ class CheckpointManager:
         manifest = self.read_manifest(path)
         if path not in self._verified:
             self._check(path, manifest)
-        load_into(path, state)
+        load_into(path, state, manifest["files"])
         saved_world = manifest.get("world_size")
         same = saved_world == self.world_size
-        if not same and not (isinstance(saved_world, int) and saved_world > 0):
+        if not same and saved_world is None:
             return Loaded(manifest, None, None)
         source = self.rank if same else self.rank % saved_world
-        extra = path / f"extra_rank{source}.pt"
-        if not extra.exists():
+        extra = f"extra_rank{source}.pt"
+        if extra not in manifest["files"]:  # only files the manifest vouches for are read
             return Loaded(manifest, None, None)
-        try:  # weights_only: tensors and plain containers, never arbitrary objects
-            saved = torch.load(extra, weights_only=True)
-            rng, rank_state = saved["rng"], saved.get("rank") or None
-        except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(
-                f"checkpoint {path}: {extra.name} holds more than tensors, refused to "
-                f"unpickle it ({first})"
-            ) from None
+        rng, rank_state = read_rank_state(path, extra)
         if same:
             set_rng_state(rng)
         return Loaded(manifest, rank_state, None if same else source)
@@ -937,7 +1085,7 @@ class CheckpointManager:
         self.rejected = []
         for i, (_, path) in enumerate(reversed(found)):
             try:
-                if not (path / MARKER).is_file():  # read_manifest's advice is for resume=PATH
+                if file_kind(path / MARKER) == "missing":  # read_manifest's advice: resume=PATH
                     raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
                 manifest = self.read_manifest(path)
                 if accept is not None:
@@ -969,11 +1117,11 @@ class CheckpointManager:
         out of reach of discovery, pruning and the save of the same step."""
         for path in paths:
             target, n = path.with_name(path.name + ".rejected"), 1
-            while target.exists():
+            while os.path.lexists(target):
                 n += 1
                 target = path.with_name(f"{path.name}.rejected{n}")
             try:
-                os.replace(path, target)
+                _rename_new(path, target)
             except OSError as e:
                 raise CheckpointError(
                     f"checkpoint {path} was skipped but could not be set aside ({e}); this run "
@@ -992,7 +1140,7 @@ class CheckpointManager:
         for path in newer_checkpoints(self.root, step):
             doomed = path.with_name(path.name + ".deleting")  # never half-deleted yet complete
             try:
-                os.replace(path, doomed)
+                _rename_new(path, doomed)
                 shutil.rmtree(doomed)
             except OSError as e:
                 raise CheckpointError(

@@ -6,21 +6,36 @@ its global shape and where every shard lives, so it reshards on load: a checkpoi
 8 FSDP ranks loads into one plain model, in one process, with no process group.
 
 Both loaders check the checkpoint as resume does (checksums against the manifest, the DCP
-index, every pickled item a plain value: dtrain.checkpoint.check_checkpoint) before reading it.
+index, every pickled item a plain value: dtrain.checkpoint.check_checkpoint) before reading it,
+and the model config the manifest holds as a run's config is checked, and its parameters
+counted against the memory they would take, before anything is allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dtrain.checkpoint import CheckpointManager, check_checkpoint, latest_complete
-from dtrain.config import DataConfig, ModelConfig
-from dtrain.errors import CheckpointError
+from dtrain.checkpoint import (
+    CheckpointManager,
+    _available_host_bytes,
+    check_checkpoint,
+    latest_complete,
+)
+from dtrain.config import (
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainerConfig,
+    build_dataclass,
+    validate,
+)
+from dtrain.errors import CheckpointError, ConfigError
 from dtrain.model import GPT, rope_tables
 
 MODEL_KEY = "model"  # the model's part of the DCP state dict (Strategy.state_dict)
@@ -35,13 +50,45 @@ class LoadedCheckpoint:
 
 
 def _config_from(cls: type, values: dict, what: str) -> typing.Any:
-    """A dataclass from a saved dict; keys this version does not know are ignored (a newer
-    checkpoint may carry more settings than the model needs)."""
+    """A dataclass from a saved dict, each value of its field's type; keys this version does
+    not know are ignored (a newer checkpoint may carry more settings than the model needs)."""
     names = {f.name for f in dataclasses.fields(cls)}
     try:
-        return cls(**{k: v for k, v in values.items() if k in names})
-    except TypeError as e:
+        return build_dataclass(cls, {k: v for k, v in values.items() if k in names}, f"{what}.")
+    except ConfigError as e:
         raise CheckpointError(f"the {what} config in the manifest is unusable: {e}") from None
+
+
+def check_model_config(path: Path, cfg: ModelConfig) -> None:
+    """The saved model config passes the checks a run's config does (a run of it at its
+    longest sequence), or one line naming the bad field."""
+    try:
+        validate(TrainConfig(model=cfg, trainer=TrainerConfig(seq_len=cfg.max_seq_len)))
+    except ConfigError as e:
+        raise CheckpointError(
+            f"checkpoint {path}: the model config in manifest.json: {e}"
+        ) from None
+
+
+def check_fits(path: Path, cfg: ModelConfig, device: torch.device | str) -> None:
+    """Refuse, before allocating, a model whose weights and RoPE tables would not fit in the
+    memory free on `device` (the planner's parameter shapes)."""
+    from dtrain.memory.state import param_shapes
+
+    bytes_per = torch.get_default_dtype().itemsize
+    need = sum(math.prod(s) for s in param_shapes(cfg)) * bytes_per
+    need += cfg.max_seq_len * cfg.head_dim * 4  # rope_tables: (T, hs/2, 2) fp32
+    device = torch.device(device)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        have = _available_host_bytes()
+    if have is not None and need > have:
+        raise CheckpointError(
+            f"checkpoint {path}: its model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+            f"vocab {cfg.vocab_size}) needs {need / 2**30:.1f} GiB for its weights on {device} "
+            f"and {have / 2**30:.1f} GiB are free; refused to allocate it"
+        )
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -68,18 +115,15 @@ def checkpoint_configs(path: Path) -> tuple[ModelConfig, DataConfig, dict]:
     data_cfg = _config_from(DataConfig, config.get("data", {}), "data")
     if model_cfg.vocab_size is None:
         raise CheckpointError(f"checkpoint {path}: the saved model config has no vocab_size")
+    check_model_config(Path(path), model_cfg)
     return model_cfg, data_cfg, manifest
 
 
-def saved_keys(path: Path) -> set[str]:
-    """Names of the tensors in a DCP checkpoint (from its .metadata index)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def saved_keys(path: Path, manifest: dict) -> set[str]:
+    """Names of the tensors in a DCP checkpoint (from its .metadata index, read safely)."""
+    from dtrain.safe_load import load_metadata
 
-    try:
-        meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # missing or corrupt .metadata
-        raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({e})") from None
-    return set(meta.state_dict_metadata)
+    return set(load_metadata(path, manifest["files"]).state_dict_metadata)
 
 
 def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
@@ -103,16 +147,17 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
     check_checkpoint(path, manifest)
     # The weights come from the checkpoint: never re-import the run's starting point.
     model_cfg = dataclasses.replace(model_cfg, init_from=None)
+    check_fits(path, model_cfg, device)
     model = _empty_model(model_cfg, device)
     state = {MODEL_KEY: model.state_dict()}  # tensors share storage with the parameters
-    have = saved_keys(path)
+    have = saved_keys(path, manifest)
     missing = sorted(f"{MODEL_KEY}.{k}" for k in state[MODEL_KEY] if f"{MODEL_KEY}.{k}" not in have)
     if missing:
         raise CheckpointError(
             f"checkpoint {path} lacks {len(missing)} model tensors (first: {missing[0]}); "
             "it was not saved by dtrain's Strategy.state_dict"
         )
-    load_into(path, state)
+    load_into(path, state, manifest["files"])
     # DCP loads in place into the state dict's tensors, which are the parameters; should it
     # ever hand back a new tensor instead, copy it in.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -132,7 +177,7 @@ def consolidate(path: str | Path, out_file: str | Path) -> Path:
     manifest = CheckpointManager.read_manifest(path)
     check_checkpoint(path, manifest)
     # Not dcp_to_torch_save: it unpickles the pickled items with weights_only off.
-    state = load_all(path)
+    state = load_all(path, manifest["files"])
     state["manifest"] = manifest  # the run config and step make the file self-describing
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(out_file.name + ".tmp")
