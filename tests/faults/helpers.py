@@ -38,6 +38,38 @@ def write_manifest(ckpt: Path, manifest: dict) -> None:
     (Path(ckpt) / "COMPLETE").write_text(f"{sha}  manifest.json\n")
 
 
+def edit_manifest(ckpt: Path, where: str, value) -> None:
+    """Set the manifest's field at dotted path `where` (e.g. config.model) to `value`, and
+    re-sign it."""
+    import json
+
+    manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+    *parents, last = where.split(".")
+    node = manifest
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    write_manifest(ckpt, manifest)
+
+
+def replace_signed(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace the checkpoint's file `name` with `data` and re-sign its sha256 and size."""
+    import json
+
+    (Path(ckpt) / name).write_bytes(data)
+    manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+    manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    manifest["sizes"][name] = len(data)
+    write_manifest(ckpt, manifest)
+
+
+def run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a command as a user would (the repo's environment), to the end or `timeout`."""
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=timeout
+    )
+
+
 def start(*args: str, nproc: int = 1, env_extra: dict | None = None) -> subprocess.Popen:
     """Start launch/train.py (or torchrun with nproc ranks) without waiting for it."""
     cmd = launch_cmd([*FAST, *args], nproc)

@@ -11,14 +11,12 @@ resume=auto must fall back to the previous good checkpoint. Then malformed but s
 links it did not make.
 """
 
-import hashlib
 import json
 import os
 import shutil
 import signal
 import socket
 import stat
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,8 +28,14 @@ from dtrain.checkpoint import CheckpointManager, sha256_file
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError
 from dtrain.weights import consolidate, load_checkpoint
-from tests.conftest import FAST, ROOT, cli_env, train
-from tests.faults.helpers import one_error_line, snapshot, write_manifest
+from tests.conftest import FAST, train
+from tests.faults.helpers import (
+    edit_manifest,
+    one_error_line,
+    replace_signed,
+    run_command,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +64,6 @@ def deadline(seconds: int = 10):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         assert not fired, f"blocked for {seconds} s"
-
-
-def _resign(ckpt: Path, manifest: dict | None = None) -> None:
-    manifest = manifest or json.loads((ckpt / "manifest.json").read_text())
-    write_manifest(ckpt, manifest)
 
 
 def _fifo(path: Path, outside: Path) -> None:
@@ -133,12 +132,7 @@ def _point_metadata_at(ckpt: Path, shard: str) -> None:
     meta = FileSystemReader(str(ckpt)).read_metadata()  # our own file: safe to read
     for info in meta.storage_data.values():
         info.relative_path = shard
-    data = pickle.dumps(meta)
-    (ckpt / ".metadata").write_bytes(data)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][".metadata"] = hashlib.sha256(data).hexdigest()
-    manifest["sizes"][".metadata"] = len(data)
-    _resign(ckpt, manifest)
+    replace_signed(ckpt, ".metadata", pickle.dumps(meta))
 
 
 def _loaders(run: Path, bad: Path, out: Path) -> dict:
@@ -196,9 +190,7 @@ def test_a_fifo_shard_is_one_line_and_no_hang_for_every_command(saved, tmp_path)
         "export": [*cli, "dtrain.cli.export", f"checkpoint={bad}", f"out={tmp_path}/hf"],
     }  # fmt: skip
     for what, cmd in commands.items():
-        res = subprocess.run(
-            cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=40
-        )
+        res = run_command(cmd, timeout=40)
         assert res.returncode == 2, (what, res.stderr[-3000:])
         line = one_error_line(res.stderr)
         assert "__0_0.distcp is a FIFO" in line, (what, line)
@@ -210,13 +202,7 @@ def test_a_fifo_shard_is_one_line_and_no_hang_for_every_command(saved, tmp_path)
 
 def _edit(run: Path, where: str, value) -> Path:
     ckpt = run / "checkpoints" / "step_0000004"
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    *parents, last = where.split(".")
-    node = manifest
-    for key in parents:
-        node = node[key]
-    node[last] = value
-    _resign(ckpt, manifest)
+    edit_manifest(ckpt, where, value)
     return ckpt
 
 
@@ -243,13 +229,12 @@ def test_a_malformed_manifest_field_is_named_and_auto_falls_back(saved, tmp_path
 
 
 def _rank_file(run: Path, value) -> Path:
+    import io
+
     ckpt = run / "checkpoints" / "step_0000004"
-    torch.save(value, ckpt / "extra_rank0.pt")
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    data = (ckpt / "extra_rank0.pt").read_bytes()
-    manifest["files"]["extra_rank0.pt"] = hashlib.sha256(data).hexdigest()
-    manifest["sizes"]["extra_rank0.pt"] = len(data)
-    _resign(ckpt, manifest)
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    replace_signed(ckpt, "extra_rank0.pt", buf.getvalue())
     return ckpt
 
 
@@ -307,10 +292,8 @@ def test_generate_refuses_a_terabyte_model_in_one_line(saved, tmp_path):
     ckpt = run / "checkpoints" / "step_0000004"
     model = json.loads((ckpt / "manifest.json").read_text())["config"]["model"]
     bad = _edit(run, "config.model", {**model, "n_layer": 100000, "d_model": 65536})
-    res = subprocess.run(
-        [sys.executable, "-m", "dtrain.cli.generate", f"checkpoint={bad}", "prompt=a"],
-        capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=40,
-    )  # fmt: skip
+    generate = [sys.executable, "-m", "dtrain.cli.generate", f"checkpoint={bad}", "prompt=a"]
+    res = run_command(generate, timeout=40)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "refused to allocate it" in one_error_line(res.stderr)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr

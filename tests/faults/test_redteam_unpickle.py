@@ -15,13 +15,11 @@ through every command that reads a checkpoint.
 import copyreg
 import importlib
 import io
-import json
 import os
 import pickle
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import types
 import zipfile
@@ -38,8 +36,8 @@ from dtrain.safe_load import (
     plain_value,
     safe_unpickle,
 )
-from tests.conftest import FAST, ROOT, cli_env, launch, train
-from tests.faults.helpers import one_error_line, snapshot, write_manifest
+from tests.conftest import FAST, launch, train
+from tests.faults.helpers import one_error_line, replace_signed, run_command, snapshot
 
 # The dunder chains that lead from an attribute to code: a function's globals, code and
 # builtins, a class's subclasses and reduce hooks.
@@ -246,19 +244,12 @@ def test_dcps_own_metadata_still_loads(tmp_path):
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """A run dir with a good step 2 and a step 4 whose .metadata is the payload (re-signed)."""
-    import hashlib
-
     root = tmp_path_factory.mktemp("redteam_unpickle")
     run = root / "run"
     train(run, "trainer.max_steps=4", "trainer.eval_every=0", "checkpoint.every_n_steps=2")
     bad = run / "checkpoints" / "step_0000004"
     proof = root / "pwned"
-    (bad / ".metadata").write_bytes(_payload(proof))
-    manifest = json.loads((bad / "manifest.json").read_text())
-    data = (bad / ".metadata").read_bytes()
-    manifest["files"][".metadata"] = hashlib.sha256(data).hexdigest()
-    manifest["sizes"][".metadata"] = len(data)
-    write_manifest(bad, manifest)
+    replace_signed(bad, ".metadata", _payload(proof))
     return run, bad, proof
 
 
@@ -279,10 +270,7 @@ def test_every_command_refuses_the_payload(planted, tmp_path, loader):
     run, bad, proof = planted
     before = snapshot(run)
     out = tmp_path / "out"
-    res = subprocess.run(
-        _command(loader, run, bad, out),
-        capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=50,
-    )  # fmt: skip
+    res = run_command(_command(loader, run, bad, out), timeout=50)
     assert res.returncode == 2, res.stderr[-3000:]
     line = one_error_line(res.stderr)
     assert len(res.stderr.strip().splitlines()) == 1 or loader == "resume", res.stderr

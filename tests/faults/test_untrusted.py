@@ -28,7 +28,14 @@ import pytest
 from dtrain.config import DataConfig
 from dtrain.errors import CheckpointError, UserError
 from tests.conftest import FAST, ROOT, cli_env, launch, train
-from tests.faults.helpers import kill_tree, one_error_line, start, wait_for_step, write_manifest
+from tests.faults.helpers import (
+    edit_manifest,
+    kill_tree,
+    one_error_line,
+    start,
+    wait_for_step,
+    write_manifest,
+)
 
 
 class Exploit:
@@ -416,13 +423,7 @@ def test_manifest_json_cannot_carry_code(ckpt, tmp_path):
             sha = hashlib.sha256(payload).hexdigest()
             (bad / "COMPLETE").write_text(f"{sha}  manifest.json\n")
         else:
-            manifest = json.loads((bad / "manifest.json").read_text())
-            *parents, last = where.split(".")
-            node = manifest
-            for key in parents:
-                node = node[key]
-            node[last] = value
-            write_manifest(bad, manifest)
+            edit_manifest(bad, where, value)
         argv = [*FAST, "trainer.max_steps=3", "trainer.eval_every=0", f"resume={bad}"]
         try:
             run(check_overrides([*argv, f"hydra.run.dir={tmp_path}/r{i}"]))
