@@ -2,9 +2,10 @@
 outputs of the benchmark runs (bench/dtrain_result.py's JSON summaries, the loops' JSONs,
 metrics.jsonl, logs), so each published number is computed, not retyped.
 
-The raw outputs are not kept in the tree; read them from the commit that last held them:
+The raw outputs are not kept in the tree; they are read from RAW_REV, the last commit that held
+them (`--raw DIR` reads a folder of them instead):
 
-    python bench/extract_results.py --rev 0c5e0d1     # or --raw DIR for a folder of them
+    python bench/extract_results.py
 
 MFU is recomputed with dtrain.model.flops_per_token (its current convention) from each run's
 tokens/s per GPU, the card's dense bf16 peak and the model's shape, whatever the run logged.
@@ -29,6 +30,7 @@ from dtrain.model import ModelConfig, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 RAW_PREFIX = "bench/results"
+RAW_REV = "92d05ef"  # the last commit with the raw outputs under bench/results
 
 # Shapes of the runs: the preset, the vocab of the synthetic tokens or the head, the sequence.
 M1B = {"preset": "1b", "vocab_size": 50304, "seq_len": 2048}
@@ -679,11 +681,11 @@ def figure(raw: Raw, fig: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--raw", type=Path, default=ROOT / RAW_PREFIX, help="folder of raw outputs")
-    ap.add_argument("--rev", help="read the raw outputs from this commit instead")
+    ap.add_argument("--raw", type=Path, help="a folder of raw outputs, instead of --rev")
+    ap.add_argument("--rev", default=RAW_REV, help="the commit to read the raw outputs from")
     ap.add_argument("--out", type=Path, default=ROOT / RAW_PREFIX)
     args = ap.parse_args()
-    raw = Raw(args.raw, args.rev)
+    raw = Raw(args.raw, None if args.raw else args.rev)
     for fig in FIGURES:
         path = args.out / fig["out"]
         path.parent.mkdir(parents=True, exist_ok=True)
