@@ -471,7 +471,8 @@ FIGURES: list[dict] = [
         date="2026-11-27",
         card="CPU",
         kind="install",
-        command="bash scripts/install.sh dev  # in a fresh venv",
+        command="bash scripts/install.sh dev && python launch/train.py model=tiny "
+        "trainer.max_steps=300 && python -m pytest -q tests/test_install.py tests/test_model.py",
         calls=[dict(dir="2026-11-27-install", commit="0e1d64e", runs={"fresh": "summary.txt"})],
     ),
 ]
@@ -599,7 +600,7 @@ def install_call(raw: Raw, call: dict) -> dict:
     return {
         "fresh venv": {
             "install_s": grab["install"],
-            "train_40_steps_s": grab["train"],
+            "train_300_steps_s": grab["train"],
             "tests_s": grab["tests"],
             "torch_mib": int(torch_mb.group(1)),
             "nvidia_packages": 0 if re.search(r"^0\s+\(nvidia", text, re.M) else None,
