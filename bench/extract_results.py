@@ -323,8 +323,16 @@ FIGURES: list[dict] = [
             dict(
                 dir="2026-12-04-gpu-s43/call5_lossslice8b_int8_grouped",
                 runs={
+                    "bf16 seed 7": "runs/lossslice8b_bf16_s7/metrics.jsonl",
                     "int8_grouped seed 1337": "runs/lossslice8b_int8gwgg_s1337/metrics.jsonl",
                     "int8_grouped seed 7": "runs/lossslice8b_int8gwgg_s7/metrics.jsonl",
+                },
+            ),
+            dict(
+                dir="2026-12-04-gpu-s43/call6_lossslice8b_anchor",
+                runs={
+                    "bf16 seed 1337": "runs/lossslice8b_bf16_s1337/metrics.jsonl",
+                    "int8 seed 7": "runs/lossslice8b_int8_s7/metrics.jsonl",
                 },
             ),
         ],
@@ -631,7 +639,22 @@ def planner_call(raw: Raw, call: dict) -> dict:
             "world_size": r["world_size"],
             "measured_tokens_per_s_per_gpu": round(r["tokens_per_s_per_gpu"]),
         }
+    for p in out.values():
+        planned = planned_tokens_per_s_per_gpu(p["overrides"], p["world_size"])
+        p["planned_tokens_per_s_per_gpu"] = round(planned)
+        p["error_pct"] = round((planned / p["measured_tokens_per_s_per_gpu"] - 1) * 100, 1)
     return out
+
+
+def planned_tokens_per_s_per_gpu(overrides: list[str], world: int) -> float:
+    """The speed plan of the code as it is, on the datasheet H200 (as the runs' card)."""
+    from dtrain.config import compose
+    from dtrain.hardware import GPUS
+    from dtrain.memory import plan_speed, planned_config
+    from dtrain.memory.machine import datasheet_machine
+
+    cfg, _, setup = planned_config(compose(list(overrides)), world, "cuda")
+    return plan_speed(cfg.model, setup, datasheet_machine(GPUS["h200-141gb"])).tokens_per_s_per_gpu
 
 
 def commit_of(raw: Raw, call: dict) -> str:
