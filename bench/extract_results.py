@@ -54,6 +54,12 @@ LOSS8B = (
     'PRECS={prec} bash bench/lowp.sh lossslice8b"'
 )
 
+
+def call(folder: str, runs: dict, commit: str | None = None) -> dict:
+    """One call's raw folder, its runs by table name, and its commit where no commit.txt has it."""
+    return {"dir": folder, "runs": runs, "commit": commit}
+
+
 # One entry a figure: where its raw files are (one folder a call), what each run is called in
 # the tables, and the run the ratios divide by (measured in the same call).
 FIGURES: list[dict] = [
@@ -66,10 +72,10 @@ FIGURES: list[dict] = [
         baseline="plain loop",
         command="STEPS=30 bash bench/strategies.sh single_bound",
         calls=[
-            dict(
-                dir="2026-11-26d/call2_torchao_bound_mem350m",
+            call(
+                "2026-11-26d/call2_torchao_bound_mem350m",
+                {"plain loop": "plain_none.json", "dtrain single": "dtrain_single.json"},
                 commit="e765096",
-                runs={"plain loop": "plain_none.json", "dtrain single": "dtrain_single.json"},
             )
         ],
     ),
@@ -83,14 +89,14 @@ FIGURES: list[dict] = [
         baseline="plain loop (25 MB buckets)",
         command="STEPS=30 bash bench/strategies.sh part6",
         calls=[
-            dict(
-                dir="2026-11-26c/part6",
-                commit="70a899e",
-                runs={
+            call(
+                "2026-11-26c/part6",
+                {
                     "plain loop (25 MB buckets)": "from_output.jsonl#loop=plain,wrapper=ddp",
                     "Fabric ddp (25 MB buckets)": "from_output.jsonl#loop=fabric,wrapper=ddp",
                     "dtrain ddp (400 MB buckets)": "dtrain_ddp.json",
                 },
+                commit="70a899e",
             )
         ],
     ),
@@ -103,15 +109,15 @@ FIGURES: list[dict] = [
         baseline="plain loop (25 MB buckets)",
         command="STEPS=30 bash bench/strategies.sh part4",
         calls=[
-            dict(
-                dir="2026-11-26c/part4",
-                commit="70a899e",
-                runs={
+            call(
+                "2026-11-26c/part4",
+                {
                     "plain loop (25 MB buckets)": "from_output.jsonl#loop=plain,wrapper=ddp",
                     "Fabric ddp (25 MB buckets)": "from_output.jsonl#loop=fabric,wrapper=ddp",
                     "dtrain ddp (25 MB buckets)": DDP_TORCH,
                     "dtrain ddp (200 MB buckets)": "dtrain_ddp_bucket200.json",
                 },
+                commit="70a899e",
             )
         ],
     ),
@@ -124,15 +130,15 @@ FIGURES: list[dict] = [
         baseline="plain FSDP2 loop",
         command="STEPS=30 bash bench/strategies.sh part6",
         calls=[
-            dict(
-                dir="2026-11-26c/part6",
-                commit="70a899e",
-                runs={
+            call(
+                "2026-11-26c/part6",
+                {
                     "plain FSDP2 loop": "from_output.jsonl#loop=plain,wrapper=fsdp",
                     "Fabric fsdp (bf16 reduce)": "from_output.jsonl#loop=fabric,wrapper=fsdp",
                     "dtrain fsdp": "dtrain_fsdp.json",
                     "dtrain fsdp, bf16 reduce": "dtrain_fsdp_reduce_bf16.json",
                 },
+                commit="70a899e",
             )
         ],
     ),
@@ -145,14 +151,14 @@ FIGURES: list[dict] = [
         baseline="dtrain zero3, eager",
         command="STEPS=30 bash bench/strategies.sh part3",
         calls=[
-            dict(
-                dir="2026-11-26b",
-                commit="3ff8268",
-                runs={
+            call(
+                "2026-11-26b",
+                {
                     "dtrain zero3, eager": "dtrain_zero3.json",
                     "dtrain zero3, DeepCompile": "dtrain_zero3_deepcompile.json",
                     "dtrain fsdp": "dtrain_fsdp.json",
                 },
+                commit="3ff8268",
             )
         ],
     ),
@@ -166,16 +172,16 @@ FIGURES: list[dict] = [
         command="STEPS=40 dtrain_run fsdp1b_P_reshard_R 2 strategy=fsdp data.vocab_size=50304 "
         "precision=P strategy.reshard_after_forward=R (bench/common.sh); ddp fp8 likewise",
         calls=[
-            dict(
-                dir="2026-11-28-gpu-s15/call3_fsdp1b_reshard_ab",
-                commit="443abf3",
-                runs={
+            call(
+                "2026-11-28-gpu-s15/call3_fsdp1b_reshard_ab",
+                {
                     "fsdp bf16, resharded": "fsdp1b_bf16_reshard_true.json",
                     "fsdp bf16, kept": "fsdp1b_bf16_reshard_false.json",
                     "fsdp fp8, resharded": "fsdp1b_fp8_reshard_true.json",
                     "fsdp fp8, kept": "fsdp1b_fp8_reshard_false.json",
                     "ddp fp8": "ddp1b_fp8.json",
                 },
+                commit="443abf3",
             )
         ],
     ),
@@ -188,15 +194,15 @@ FIGURES: list[dict] = [
         baseline="fsdp x1",
         command='OUT=$OUT bash bench/scaling.sh "1 2 4"',
         calls=[
-            dict(
-                dir="2026-11-26/scaling",
-                commit="c53afd4",
-                runs={
+            call(
+                "2026-11-26/scaling",
+                {
                     "fsdp x1": "fsdp_x1.json",
                     "fsdp x2": "fsdp_x2.json",
                     "fsdp x4": "fsdp_x4.json",
                     "hsdp 2x2": "hsdp_x4.json",
                 },
+                commit="c53afd4",
             )
         ],
         per_gpu_ratio=True,
@@ -210,13 +216,13 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command=LOWP.format(steps=30, precs="fp8 bf16", case="single1b"),
         calls=[
-            dict(
-                dir="2026-12-04-gpu-s42/call3_single1b_first_step",
-                runs={"bf16": "single1b_bf16.json", "fp8": "single1b_fp8.json"},
+            call(
+                "2026-12-04-gpu-s42/call3_single1b_first_step",
+                {"bf16": "single1b_bf16.json", "fp8": "single1b_fp8.json"},
             ),
-            dict(
-                dir="2026-12-04-gpu-s42/call4_single1b_again",
-                runs={"bf16": "single1b_bf16_again.json", "fp8": "single1b_fp8_again.json"},
+            call(
+                "2026-12-04-gpu-s42/call4_single1b_again",
+                {"bf16": "single1b_bf16_again.json", "fp8": "single1b_fp8_again.json"},
             ),
         ],
     ),
@@ -229,9 +235,9 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command=LOWP.format(steps=30, precs="bf16 int8", case="single1b"),
         calls=[
-            dict(
-                dir="2026-12-03-gpu-s36/call3_check_single1b",
-                runs={"bf16": "single1b_bf16.json", "int8": "single1b_int8.json"},
+            call(
+                "2026-12-03-gpu-s36/call3_check_single1b",
+                {"bf16": "single1b_bf16.json", "int8": "single1b_int8.json"},
             )
         ],
     ),
@@ -244,9 +250,9 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command="FRESH_CACHE=1 " + LOWP.format(steps=20, precs="bf16 fp8", case="slice8b"),
         calls=[
-            dict(
-                dir="2026-12-04-gpu-s42/call2_slice8b_first_step",
-                runs={"bf16": "slice8b_bf16.json", "fp8": "slice8b_fp8.json"},
+            call(
+                "2026-12-04-gpu-s42/call2_slice8b_first_step",
+                {"bf16": "slice8b_bf16.json", "fp8": "slice8b_fp8.json"},
             )
         ],
     ),
@@ -259,17 +265,17 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command=LOWP.format(steps=20, precs="bf16 int8 int8gwgg", case="slice8b"),
         calls=[
-            dict(
-                dir="2026-12-04-gpu-s43/call3_slice8b_int8_grouped",
-                runs={
+            call(
+                "2026-12-04-gpu-s43/call3_slice8b_int8_grouped",
+                {
                     "bf16": "slice8b_bf16.json",
                     "int8": "slice8b_int8.json",
                     "int8_grouped": "slice8b_int8gwgg.json",
                 },
             ),
-            dict(
-                dir="2026-12-04-gpu-s43/call4_slice8b_int8_grouped_again",
-                runs={
+            call(
+                "2026-12-04-gpu-s43/call4_slice8b_int8_grouped_again",
+                {
                     "bf16": "slice8b_bf16_again.json",
                     "int8_grouped": "slice8b_int8gwgg_again.json",
                 },
@@ -285,9 +291,9 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command='LOG_EVERY=5 STEPS=30 PRECS="bf16 int8 fp8" bash bench/lowp.sh fsdp8b',
         calls=[
-            dict(
-                dir="2026-11-29-gpu-s17/call3_fsdp8b_lowp_memtest",
-                runs={
+            call(
+                "2026-11-29-gpu-s17/call3_fsdp8b_lowp_memtest",
+                {
                     "bf16": "fsdp8b_bf16.json",
                     "fp8": "fsdp8b_fp8.json",
                     "int8": "fsdp8b_int8.json",
@@ -304,33 +310,33 @@ FIGURES: list[dict] = [
         kind="loss",
         command=LOSS8B.format(seed="S", prec="P"),
         calls=[
-            dict(
-                dir="2026-12-04-gpu-s41/call3_lossslice8b_fp8",
-                runs={
+            call(
+                "2026-12-04-gpu-s41/call3_lossslice8b_fp8",
+                {
                     "bf16 seed 1337": "runs/lossslice8b_bf16_s1337/metrics.jsonl",
                     "bf16 seed 7": "runs/lossslice8b_bf16_s7/metrics.jsonl",
                     "fp8 seed 1337": "runs/lossslice8b_fp8_s1337/metrics.jsonl",
                 },
             ),
-            dict(
-                dir="2026-12-04-gpu-s41/call4_lossslice8b_fp8_int8",
-                runs={
+            call(
+                "2026-12-04-gpu-s41/call4_lossslice8b_fp8_int8",
+                {
                     "fp8 seed 7": "runs/lossslice8b_fp8_s7/metrics.jsonl",
                     "int8 seed 1337": "runs/lossslice8b_int8_s1337/metrics.jsonl",
                     "int8 seed 7": "runs/lossslice8b_int8_s7/metrics.jsonl",
                 },
             ),
-            dict(
-                dir="2026-12-04-gpu-s43/call5_lossslice8b_int8_grouped",
-                runs={
+            call(
+                "2026-12-04-gpu-s43/call5_lossslice8b_int8_grouped",
+                {
                     "bf16 seed 7": "runs/lossslice8b_bf16_s7/metrics.jsonl",
                     "int8_grouped seed 1337": "runs/lossslice8b_int8gwgg_s1337/metrics.jsonl",
                     "int8_grouped seed 7": "runs/lossslice8b_int8gwgg_s7/metrics.jsonl",
                 },
             ),
-            dict(
-                dir="2026-12-04-gpu-s43/call6_lossslice8b_anchor",
-                runs={
+            call(
+                "2026-12-04-gpu-s43/call6_lossslice8b_anchor",
+                {
                     "bf16 seed 1337": "runs/lossslice8b_bf16_s1337/metrics.jsonl",
                     "int8 seed 7": "runs/lossslice8b_int8_s7/metrics.jsonl",
                 },
@@ -346,10 +352,10 @@ FIGURES: list[dict] = [
         kind="checkpoint",
         command="OUT=$OUT STEPS=25 EVERY=10 bash bench/async_ckpt.sh",
         calls=[
-            dict(
-                dir="2026-11-27-gpu-s10/call3_pool_test_speed_async",
+            call(
+                "2026-11-27-gpu-s10/call3_pool_test_speed_async",
+                {"sync": "ckpt_async_false.log", "async": "ckpt_async_true.log"},
                 commit="6bde565",
-                runs={"sync": "ckpt_async_false.log", "async": "ckpt_async_true.log"},
             )
         ],
     ),
@@ -363,10 +369,10 @@ FIGURES: list[dict] = [
         command="OUT=$OUT STEPS=11 LOG_EVERY=1 MODEL=8b SEQ=8192 MICRO=1 EVERY=10 "
         "EXTRA=data.vocab_size=128256 bash bench/async_ckpt.sh",
         calls=[
-            dict(
-                dir="2026-11-27-gpu-s11/call3_async8b",
+            call(
+                "2026-11-27-gpu-s11/call3_async8b",
+                {"sync": "ckpt_async_false.log", "async": "ckpt_async_true.log"},
                 commit="eab22ce",
-                runs={"sync": "ckpt_async_false.log", "async": "ckpt_async_true.log"},
             )
         ],
     ),
@@ -379,9 +385,9 @@ FIGURES: list[dict] = [
         baseline="bf16",
         command="FRESH_CACHE=1 " + LOWP.format(steps=20, precs="bf16 fp8 fp8cf", case="slice8b"),
         calls=[
-            dict(
-                dir="2026-12-04-gpu-s42/call2_slice8b_first_step",
-                runs={
+            call(
+                "2026-12-04-gpu-s42/call2_slice8b_first_step",
+                {
                     "bf16": "slice8b_bf16.json",
                     "fp8 (first step eager)": "slice8b_fp8.json",
                     "fp8 (first step compiled)": "slice8b_fp8cf.json",
@@ -401,11 +407,7 @@ FIGURES: list[dict] = [
         "trainer.max_steps=60 trainer.log_every=10 trainer.eval_every=0 "
         "checkpoint.save_final=false",
         calls=[
-            dict(
-                dir="2026-11-26b",
-                commit="3ff8268",
-                runs={"small (124M), 1 worker": "dw1_metrics.jsonl"},
-            )
+            call("2026-11-26b", {"small (124M), 1 worker": "dw1_metrics.jsonl"}, commit="3ff8268")
         ],
     ),
     dict(
@@ -420,11 +422,7 @@ FIGURES: list[dict] = [
         "trainer.max_steps=50 trainer.log_every=10 trainer.eval_every=0 "
         "checkpoint.save_final=false",
         calls=[
-            dict(
-                dir="2026-11-26",
-                commit="c53afd4",
-                runs={"1b, 2 workers": "data_wait_1b_metrics.jsonl"},
-            )
+            call("2026-11-26", {"1b, 2 workers": "data_wait_1b_metrics.jsonl"}, commit="c53afd4")
         ],
     ),
     dict(
@@ -435,10 +433,10 @@ FIGURES: list[dict] = [
         kind="planner",
         command="python bench/plan_validate.py --out DIR --gpu h200-141gb --from-runs RUNS",
         calls=[
-            dict(dir="2026-11-29-gpu-s17/call1_plan_grid_8b", runs={"grid": "plan_validate.json"}),
-            dict(
-                dir="2026-11-29-gpu-s17/call3_fsdp8b_lowp_memtest",
-                runs={
+            call("2026-11-29-gpu-s17/call1_plan_grid_8b", {"grid": "plan_validate.json"}),
+            call(
+                "2026-11-29-gpu-s17/call3_fsdp8b_lowp_memtest",
+                {
                     f"fsdp-{p}-w2-8b-30steps": {
                         "file": f"fsdp8b_{p}.json",
                         "overrides": [
@@ -451,10 +449,9 @@ FIGURES: list[dict] = [
                     for p in ("bf16", "fp8", "int8")
                 },
             ),
-            dict(
-                dir="2026-11-28-gpu-s15/call3_fsdp1b_reshard_ab",
-                commit="443abf3",
-                runs={
+            call(
+                "2026-11-28-gpu-s15/call3_fsdp1b_reshard_ab",
+                {
                     f"{s}-{p}-w2-1b": {
                         "file": f"{s}1b_{p}{suffix}.json",
                         "overrides": [*M1B_OVERRIDES, f"strategy={s}", f"precision={p}", *extra],
@@ -470,6 +467,7 @@ FIGURES: list[dict] = [
                         ("ddp", "fp8", "", []),
                     )
                 },
+                commit="443abf3",
             ),
         ],
     ),
@@ -481,7 +479,7 @@ FIGURES: list[dict] = [
         kind="install",
         command="bash scripts/install.sh dev && python launch/train.py model=tiny "
         "trainer.max_steps=300 && python -m pytest -q tests/test_install.py tests/test_model.py",
-        calls=[dict(dir="2026-11-27-install", commit="0e1d64e", runs={"fresh": "summary.txt"})],
+        calls=[call("2026-11-27-install", {"fresh": "summary.txt"}, commit="0e1d64e")],
     ),
 ]
 
