@@ -228,7 +228,7 @@ FIGURES: list[dict] = [
     ),
     dict(
         out="precision/1b_single_int8.json",
-        what="model=1b on one GPU: int8 (SwitchBack, Gluon kernels) against bf16",
+        what="model=1b on one GPU: int8 (grad-weight in bf16, SwitchBack) against bf16",
         date="2026-12-03",
         card="H200",
         model=M1B,
