@@ -7,8 +7,8 @@ variant runs in a process of its own (Inductor's settings are read at import) an
 JSON line: ms per forward+backward and its top kernels from the profiler.
 
 Variants (VARIANTS below): bf16; fp8 with dynamic scales (as dtrain trains it where parameters
-are sharded; one GPU has taken delayed scaling by default since the thirty-seventh session:
-the fp8_delayed variant); that fp8 with one change each: an Inductor
+are sharded; where parameters are whole, fp8 takes delayed scaling by default: the
+fp8_delayed variant); that fp8 with one change each: an Inductor
 setting (cooperative reductions, autotuned pointwise/reduction kernels, multi-kernel), torchao's
 fast accumulation in both backward GEMMs or in the grad-input one only, the LM head in fp8 too
 (alone, and with fast grad-input accumulation), or the weight-gradient GEMM
@@ -62,7 +62,7 @@ FP8_BASE = {"fp8_scaling": "dynamic", "fp8_fast_accum": "forward"}
 
 def patch_grad_weight_bf16() -> None:
     """Make dtrain's apply_fp8 build torchao's recipe with the weight-gradient GEMM left in
-    high precision (no option does this: it measured slower, call 1 of the eighteenth session)."""
+    high precision (no option does this: it measured slower)."""
     import torchao.float8 as f8
     from torchao.float8.config import ScalingType
 

@@ -36,7 +36,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # SwitchBack: grad_weight in bf16 from the saved int8 input; forward and grad_input int8
     "int8-switchback": ("int8", {"int8_grad_weight": "bf16"}),
     "int8+adamw8bit": ("int8", {"optimizer_8bit": True, "int8_grad_weight": "int8"}),
-    "fp8": ("fp8", {}),  # its defaults: delayed scales on one GPU since the 37th session
+    "fp8": ("fp8", {}),  # its defaults: delayed scales on one GPU
     "int8-torchao": ("int8-torchao", {}),
 }
 # Variants not run by default: int8 with Inductor's fused int8 GEMM + dequantize epilogue (a

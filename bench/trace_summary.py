@@ -35,8 +35,8 @@ from pathlib import Path
 KINDS = (  # first match wins
     ("nccl", ("nccl",)),
     ("attention", ("sdpa", "flash", "fmha")),
-    # dtrain's Triton int8 GEMMs by their kernels' names (the twenty-sixth session's int8 trace
-    # counted them as "other eager"); not "int8_mm" alone: Inductor names the quantizes it fuses
+    # dtrain's Triton int8 GEMMs by their kernels' names (else an int8 trace counts them as
+    # "other eager"); not "int8_mm" alone: Inductor names the quantizes it fuses
     # before them triton_red_fused_..._int8_mm_..., and those are its own kernels.
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "_int8_mm_kernel", "_int8_mm_tma_kernel")),
     ("optimizer", ("adam",)),

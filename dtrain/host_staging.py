@@ -7,7 +7,7 @@ DCP's writer keeps the buffers it stages into from one async save to the next
 pinned tensor of its size through torch's caching host allocator (which rounds every
 allocation up to a power of two) and only then copies the state once more. At 1b under fsdp on
 2x H200 that first save stalled the loop 13.0 s against 0.28 s for the next
-(docs/benchmarks.md, "Checkpoint stall with host buffers kept between saves").
+(docs/benchmarks.md, "Checkpoint save").
 
 `host_buffers` makes the same structure from one pageable allocation of the exact size,
 page-locked once (cudaHostRegister, as DCP does for shared buffers), carved into one view per

@@ -288,13 +288,23 @@ def count_param_tensors(cfg: ModelConfig) -> int:
     return cfg.n_layer * 9 + 2 + (0 if cfg.tie_embeddings else 1)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12·L·d·T (PaLM appendix B; torchtitan's convention).
+def embedding_params(cfg: ModelConfig) -> int:
+    """The input embedding's parameters that no matmul uses: none when tied to the output
+    layer, whose matmul runs on them every step."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
 
-    6N counts the forward and backward matmuls of every parameter; 12·L·d·T the attention
-    score and value matmuls, which scale with the sequence length and have no parameters.
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N + 12·L·d·T, N without the input embedding (torchtitan's
+    get_num_flop_per_token; PaLM appendix B).
+
+    6·N counts the forward and backward matmuls of every parameter a matmul uses (the output
+    layer included); the input embedding is a lookup, not a matmul. 12·L·d·T counts the
+    attention score and value matmuls, which scale with the sequence length and have no
+    parameters; causal masking is not halved, as in torchtitan and PaLM.
     """
-    return 6 * count_params(cfg) + 12 * cfg.n_layer * cfg.d_model * seq_len
+    n = count_params(cfg) - embedding_params(cfg)
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq_len
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, seed: int = 0) -> GPT:

@@ -241,6 +241,7 @@ class Progress:
     def __init__(self, enabled: bool, start: int, total: int, stream=None):
         self.bar = None
         self._redirect = None
+        self.mfu_na_said = False
         stream = stream if stream is not None else sys.stderr
         if enabled and stream.isatty():
             from tqdm import tqdm
@@ -260,15 +261,16 @@ class Progress:
             if info:
                 self.bar.set_postfix(bar_postfix(info), refresh=False)
         elif info:
-            log.info(
-                "step %d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | mfu %s",
-                step,
-                info["loss"],
-                info["lr"],
-                info["grad_norm"],
-                info["tokens_per_s"],
-                "n/a" if info["mfu"] is None else f"{100 * info['mfu']:.1f}%",
+            line = (
+                f"step {step} | loss {info['loss']:.4f} | lr {info['lr']:.2e} | "
+                f"grad_norm {info['grad_norm']:.3f} | {info['tokens_per_s']:.0f} tok/s"
             )
+            if info["mfu"] is not None:
+                line += f" | mfu {100 * info['mfu']:.1f}%"
+            elif not self.mfu_na_said:  # once: no peak to divide by (a CPU, an unknown GPU)
+                line += " | mfu n/a (no peak FLOP/s known: metrics.peak_tflops sets one)"
+                self.mfu_na_said = True
+            log.info("%s", line)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -76,7 +76,10 @@ def test_cpu_mfu_is_na_unless_a_peak_is_given(tmp_path, capsys):
     recs = [r for r in read_jsonl(tmp_path / "cpu/metrics.jsonl") if "loss" in r]
     assert recs and all(r["mfu"] is None for r in recs)
     err = capsys.readouterr().err
-    assert "mfu n/a" in err
+    assert err.count("mfu n/a") == 1  # said once, not on every step line
+    assert "per GPU" not in err and "cuda" not in err.lower()
+    first = next(line for line in err.splitlines() if " dtrain] " in line)
+    assert len(first) < 200, first
     # The CPU memory comparison says what it compared.
     assert "memory prediction vs measured (model state only, CPU): +0.0%" in err
     train(tmp_path / "peak", *args, "metrics.peak_tflops=1")

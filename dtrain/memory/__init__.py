@@ -47,6 +47,7 @@ from dtrain.memory.report import (
     prediction_error_pct,
     run_prediction,
     run_speed_prediction,
+    summary_lines,
     summary_text,
 )
 from dtrain.memory.setup import (
@@ -117,6 +118,7 @@ __all__ = [
     "run_speed_prediction",
     "setup_from_config",
     "state_bytes_per_element",
+    "summary_lines",
     "summary_text",
     "uses_autocast",
     "zero1_grad_elements",

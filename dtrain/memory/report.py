@@ -21,8 +21,9 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
-    """A few sentences: where the memory goes, and the rule of thumb against this breakdown."""
+def summary_lines(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> list[str]:
+    """A few sentences, the headline first: where the memory goes, and the rule of thumb
+    against this breakdown."""
     n = plan.n_params
     parts = {
         "parameters": plan.params_bytes,
@@ -35,14 +36,16 @@ def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
     per_param = plan.model_state_bytes / n if n else 0.0
     full_state = 16 * n  # 4 (fp32 weight) + 4 (grad) + 8 (Adam moments): the 1B -> ~16 GB part
     thumb = 24 * n  # "24 GB per 1B parameters at fp32": ~4 bytes of weights + 20 extra
+    where = "GPU" if setup.device == "cuda" else "process"
     lines = [
         f"{setup.strategy} x {setup.precision.name} on {setup.world_size} rank(s), "
         f"{cfg.name} ({n / 1e6:.1f}M params), micro-batch {setup.micro_batch_size} x "
-        f"{setup.seq_len} tokens: predicted peak {fmt_bytes(plan.total_bytes)} per GPU "
+        f"{setup.seq_len} tokens: predicted peak {fmt_bytes(plan.total_bytes)} per {where} "
         f"({plan.phase} is the peak moment).",
         f"The largest part is {biggest} ({fmt_bytes(parts[biggest])}); model state is "
-        f"{fmt_bytes(plan.model_state_bytes)} = {per_param:.1f} bytes per parameter per GPU, "
-        f"activations and buffers {fmt_bytes(plan.activations_bytes + plan.transient_bytes)}.",
+        f"{fmt_bytes(plan.model_state_bytes)} = {per_param:.1f} bytes per parameter per "
+        f"{where}, activations and buffers "
+        f"{fmt_bytes(plan.activations_bytes + plan.transient_bytes)}.",
         f"Rule of thumb: ~20 extra bytes per parameter on top of the weights, 24 GB per 1B "
         f"parameters at fp32, gives {fmt_bytes(thumb)} for this model; unsharded fp32 AdamW "
         f"state is really 16 bytes per parameter ({fmt_bytes(full_state)}), and the rest of "
@@ -53,10 +56,14 @@ def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
     if setup.world_size > 1 and setup.facts.shards:
         lines.append(
             f"Sharding over {setup.world_size} ranks cuts model state to {per_param:.1f} "
-            f"bytes per parameter per GPU (16 unsharded)."
+            f"bytes per parameter per {where} (16 unsharded)."
         )
-    lines += plan.notes
-    return " ".join(lines)
+    return lines + list(plan.notes)
+
+
+def summary_text(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> str:
+    """summary_lines as one paragraph (the TensorBoard text)."""
+    return " ".join(summary_lines(plan, setup, cfg))
 
 
 def run_prediction(cfg, precision, env) -> tuple[MemoryPlan, MemorySetup]:

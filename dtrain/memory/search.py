@@ -348,7 +348,7 @@ def resolve_auto_reshard(
     (false where the plan with every block kept gathered from its forward to its backward fits
     the device with `margin` of it left free, else true; that plan's bytes; the usable bytes).
     Kept gathered, a step gathers each block once instead of twice: 1.02-1.10x the tokens/s
-    on 2x H200 (docs/benchmarks.md, "Resharding after the forward")."""
+    on 2x H200 (docs/benchmarks.md, "Strategies on 2 GPUs")."""
     device_type = getattr(device, "type", str(device)).split(":")[0]
     keep = replace(cfg, strategy=replace(cfg.strategy, reshard_after_forward=False))
     cfg1, _, setup = planned_config(keep, world_size, device_type)

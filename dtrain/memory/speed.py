@@ -2,7 +2,7 @@
 
     step = compute + recompute + exposed communication + optimizer + other
 
-- compute: the model's FLOPs per token (6N + 12·L·d·T, dtrain.model.flops_per_token) x tokens
+- compute: the model's FLOPs per token (dtrain.model.flops_per_token) x tokens
   per GPU per step, at the matmul peak of the compute dtype x MATMUL_EFFICIENCY; quantized
   linears (Precision.quantize) run their share at the narrow dtype's peak and pay casts
   (memory-bound passes over their operands);
@@ -29,7 +29,13 @@ from dtrain.hardware import fp8_gemm_dims_ok, matmul_kind
 from dtrain.memory.machine import Machine
 from dtrain.memory.setup import MemorySetup, strategy_facts
 from dtrain.memory.state import state_bytes_per_element
-from dtrain.model import ModelConfig, count_param_tensors, count_params, flops_per_token
+from dtrain.model import (
+    ModelConfig,
+    count_param_tensors,
+    count_params,
+    embedding_params,
+    flops_per_token,
+)
 from dtrain.strategies import STRATEGIES, Collective
 
 # Share of the datasheet peak the model's matmuls run at, compiled as one graph: fitted to
@@ -239,7 +245,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     lin_params, lin_features = linear_params_per_block(cfg)
     lin = 6 * cfg.n_layer * lin_params * tokens
     attn = 12 * cfg.n_layer * cfg.d_model * setup.seq_len * tokens
-    head = flops_per_token(cfg, setup.seq_len) * tokens - lin - attn
+    # the embedding's gradient priced as a matmul, as when the constants were fitted
+    head = (flops_per_token(cfg, setup.seq_len) + 6 * embedding_params(cfg)) * tokens - lin - attn
     c = pr.compute_dtype.itemsize
     pointwise = POINTWISE_PASSES * cfg.n_layer * (cfg.d_model + cfg.ffn_hidden) * c * tokens
     loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens  # fp32 log-softmax and its gradient

@@ -26,7 +26,7 @@ from dtrain.memory import (
     predicted_speed_record,
     run_prediction,
     run_speed_prediction,
-    summary_text,
+    summary_lines,
 )
 from dtrain.metrics import MetricsWriter, peak_flops
 from dtrain.model import count_params, flops_per_token
@@ -356,8 +356,10 @@ def log_memory_prediction(
     except ConfigError as e:  # a strategy the planner does not know yet: train anyway
         log.warning("memory: no prediction for this run: %s", e)
         return None
-    text = summary_text(plan, setup, cfg.model)
-    log.info("memory: %s", text)
+    lines = summary_lines(plan, setup, cfg.model)
+    text = " ".join(lines)
+    log.info("memory: %s", lines[0])  # the headline apart: the first line a user reads
+    log.info("memory: %s", " ".join(lines[1:]))
     if step == 0:
         writer.text("memory/predicted", markdown_breakdown(plan, text), 0)
         writer.record({"step": 0, "run": run_info, "memory_predicted": predicted_record(plan)})

@@ -15,9 +15,12 @@ deepspeed is imported lazily: `import dtrain` never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -39,6 +42,25 @@ from dtrain.strategies.base import (
 )
 
 log = logging.getLogger("dtrain")
+
+
+@contextlib.contextmanager
+def quiet_unless(speak: bool):
+    """DeepSpeed's start-up lines (its logger, its prints, torch's warnings on its calls) once
+    for the job, from rank 0, not once a rank."""
+    if speak:
+        yield
+        return
+    ds_log = logging.getLogger("DeepSpeed")
+    level = ds_log.level
+    ds_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        ds_log.setLevel(level)
+
 
 # What each stage splits (Rajbhandari et al. 2019); every stage steps fp32 master partitions.
 _ZERO = dict(autocast=False, fp32_master=True)
@@ -374,7 +396,10 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int) -> None:
         # The first run on a machine is silent for ~90 s while DeepSpeed JIT-builds an op.
         log.info("DeepSpeed: loading its ops (the first run on a machine builds them: minutes)")
-        import deepspeed
+        with quiet_unless(self.env.rank == 0):
+            import deepspeed
+        if self.env.rank != 0:  # its collectives' deprecation warnings come from rank 0 alone
+            warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
         module = build_model(model_cfg, self.device, seed)
         # Parameter names in the common checkpoint format; tied weights have two names.
@@ -399,12 +424,13 @@ class DeepSpeedStrategy(Strategy):
             compile_blocks(module, blocks=False)  # ZeRO-3 eager: the loss alone has no params
         rope = module.rope_cache
         optimizer = self.build_ds_optimizer(module, optim_cfg)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizer,
-            config=self.ds_config(model_cfg),
-            dist_init_required=False,
-        )
+        with quiet_unless(self.env.rank == 0):
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=module,
+                optimizer=optimizer,
+                config=self.ds_config(model_cfg),
+                dist_init_required=False,
+            )
         # DeepSpeed's bf16 casts every buffer; RoPE angles in bf16 lose positions. Keep fp32.
         module.rope_cache = rope
         self._compile_engine()

@@ -100,8 +100,8 @@ FSDP_GATHER = Collective(
 # (8b fp8) faster on 2x H200, a step shorter by 1.1-1.5x a whole-model gather's time at 1b bf16
 # and 8b, about 1.25-1.8x this re-gather's (the blocks the forward freed: 88% of the 1b
 # model's parameters, 84% of the 8b's;
-# 11x at 1b fp8, where the host falls behind: docs/benchmarks.md, "Resharding after the
-# forward"); so none of it is planned as hidden.
+# 11x at 1b fp8, where the host falls behind: bench/results/strategies/1b_2gpu.json);
+# so none of it is planned as hidden.
 FSDP_REGATHER = replace(
     FSDP_GATHER,
     payload="resharded",  # the last block and the root stay gathered for the backward
