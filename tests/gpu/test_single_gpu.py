@@ -242,3 +242,53 @@ def test_a_real_out_of_memory_under_fsdp_is_exit_3_with_advice(tmp_path, results
     assert "Traceback" not in res.stderr
     assert advice.startswith("out of memory: ") and "per GPU" in advice, advice
     assert "trainer.micro_batch_size=" in advice, advice  # a smaller micro-batch that fits
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_chunk"])
+def test_fused_loss_matches_the_plain_loss_in_bf16_and_holds_no_logits(compiled, results):
+    """The fused chunked loss (dtrain/fused_loss.py) under bf16 autocast at 1b's head (d 2048,
+    vocab 50304, 8192 tokens): loss and gradients as F.cross_entropy over the full bf16 logits,
+    and a peak that holds no full logits (the plain loss's alone are 0.8 GB in bf16)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtrain.fused_loss import chunk_loss_and_grads, fused_linear_cross_entropy
+
+    torch._dynamo.reset()
+    n, d, v = 8192, 2048, 50304
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, d, device="cuda", generator=gen).requires_grad_()
+    w = (0.02 * torch.randn(v, d, device="cuda", generator=gen)).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    t[::97] = -100
+    chunk_fn = torch.compile(chunk_loss_and_grads, dynamic=False) if compiled else None
+
+    def grads(fn):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return (
+            loss.detach(),
+            x.grad.clone(),
+            w.grad.clone(),
+            torch.cuda.max_memory_allocated() - base,
+        )
+
+    kw = {"chunk_fn": chunk_fn} if compiled else {}
+    fused = grads(lambda: fused_linear_cross_entropy(x, w, t, **kw))
+    fused = grads(lambda: fused_linear_cross_entropy(x, w, t, **kw))  # the second: compiled
+    plain = grads(lambda: F.cross_entropy(F.linear(x, w).float(), t))
+    errs = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(fused[:3], plain[:3])]
+    record(
+        results,
+        f"fused_loss/{'compiled' if compiled else 'eager'}",
+        {"rel_err": errs, "peak_extra_gib": [fused[3] / 2**30, plain[3] / 2**30]},
+    )
+    assert errs[0] <= 1e-5, errs  # the same bf16 logits, the loss in fp32
+    assert max(errs[1:]) <= 2**-7, errs  # bf16 gradients rounded per chunk: 2 ulps
+    assert fused[3] < plain[3] / 2, (fused[3], plain[3])
