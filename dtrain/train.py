@@ -27,7 +27,7 @@ from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
 from dtrain.run.slow_step import SlowStepNotice, SlowSteps
-from dtrain.rundir import hold_run_dir
+from dtrain.rundir import hold_run_dir, mark_started
 
 log = logging.getLogger("dtrain")
 
@@ -135,6 +135,8 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         while step < end:
             with SlowStepNotice(step + 1, slow.what(step + 1)):  # stopped however it ends
                 lr, grad_norm = one_step(r, report, step, heartbeat)
+            if step == r.start_step:  # trained: a later error no longer undoes the run dir
+                mark_started(r.run_dir)
             step += 1
             # Before the report: a logged step waits for the GPU, and a collection made while
             # the GPU still runs the step's kernels costs it nothing.
