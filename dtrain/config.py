@@ -500,6 +500,11 @@ RANGES: dict[str, str] = {
 }
 
 
+# AdamW's step is about lr per weight whatever the gradient: past this, weights of order 1
+# are replaced by noise on the first update.
+MAX_LR = 10.0
+
+
 def in_range(value: int | float, spec: str) -> bool:
     """`spec` is "> a", ">= a", or an interval such as "[0, 1)"; NaN is in no range."""
     if spec.startswith(">="):
@@ -588,6 +593,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_head={m.n_head} must be divisible by n_kv_head={m.n_kv_head}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.optim.lr > MAX_LR:
+        raise ConfigError(
+            f"optim.lr={cfg.optim.lr:g} is past any rate AdamW trains at (the first update "
+            f"overflows); choose optim.lr in (0, {MAX_LR:g}], e.g. 3e-4"
+        )
     validate_inspect(cfg.inspect, cfg.profile, m)
     validate_loggers(cfg.metrics)
     _validate_strategy(cfg.strategy)

@@ -126,6 +126,17 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         # (the second where fp8's first step runs eagerly).
         at = "the first step" if slow.compiling_at == step + 1 else f"step {slow.compiling_at}"
         log.info(f"torch.compile: {at} compiles the model and may take a few minutes")
+    if r.resume is not None and step >= end:
+        key = "stop_at_step" if end < t.max_steps else "max_steps"
+        log.warning(
+            "%s is already trained to step %d (trainer.%s=%d): nothing to train; to train it "
+            "further pass a larger trainer.max_steps with hydra.run.dir=%s",
+            r.run_dir,
+            step,
+            key,
+            end,
+            r.run_dir,
+        )
     if step == 0 and t.eval_every > 0:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()

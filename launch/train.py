@@ -48,6 +48,8 @@ if __name__ == "__main__":
     try:
         cfg = check_overrides(sys.argv[1:])
         if cfg is not None:  # held until this process exits: one run per run dir
+            if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in sys.argv[1:]):
+                sys.argv.append(f"hydra.run.dir={cfg.run_dir}")  # Hydra's dir: this one
             acquire_run_dir(cfg.run_dir)
     except UserError as e:
         fail(e, rank0_only=not getattr(e, "every_rank", False))
