@@ -107,15 +107,23 @@ def write_text(path: str | Path, text: str, *, overwrite: bool = False, key: str
     write_bytes(path, text.encode(), overwrite=overwrite, key=key)
 
 
+# Top-level folders a user may put on another disk with a link to a folder (a scratch volume
+# for checkpoints): a run creates new files in them, and writes over none through the link.
+STORAGE_LINKS = ("checkpoints", "tensorboard")
+
+
 def check_tree(root: str | Path, what: str = "run dir") -> None:
-    """ConfigError if any entry under `root` (itself excluded) is a symbolic link: a run
-    writes its files there, and dtrain makes no links."""
+    """ConfigError if any entry under `root` (itself excluded) is a symbolic link, but for a
+    link to a folder at one of STORAGE_LINKS: a run writes its files there, and dtrain makes
+    no links."""
     root = Path(root)
     if not root.is_dir() or is_link(root):
         return
     for dirpath, dirnames, filenames in os.walk(root):  # links to folders are not entered
         for name in dirnames + filenames:
             p = Path(dirpath) / name
+            if Path(dirpath) == root and name in STORAGE_LINKS and p.is_dir():
+                continue
             if is_link(p):
                 raise ConfigError(
                     f"{what} {root} holds a symbolic link {p} (to {os.readlink(p)}); dtrain "
