@@ -501,6 +501,11 @@ RANGES: dict[str, str] = {
 }
 
 
+# AdamW's step is about lr per weight whatever the gradient: past this, weights of order 1
+# are replaced by noise on the first update.
+MAX_LR = 10.0
+
+
 def in_range(value: int | float, spec: str) -> bool:
     """`spec` is "> a", ">= a", or an interval such as "[0, 1)"; NaN is in no range."""
     if spec.startswith(">="):
@@ -594,6 +599,11 @@ def validate(cfg: TrainConfig) -> None:
         # the fp8 head is a Float8Linear with its own matmuls: both take the plain loss.
         what = "precision=fp16" if cfg.precision.name == "fp16" else "precision.fp8_lm_head=true"
         raise ConfigError(f"model.loss_kernel=fused does not support {what}; use plain or auto")
+    if cfg.optim.lr > MAX_LR:
+        raise ConfigError(
+            f"optim.lr={cfg.optim.lr:g} is past any rate AdamW trains at (the first update "
+            f"overflows); choose optim.lr in (0, {MAX_LR:g}], e.g. 3e-4"
+        )
     validate_inspect(cfg.inspect, cfg.profile, m)
     validate_loggers(cfg.metrics)
     _validate_strategy(cfg.strategy)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.model import ModelConfig
+from dtrain.safe_write import make_dirs, refuse_link, staged, write_bytes, write_text
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -235,7 +235,8 @@ def check_new_files(paths: list[Path]) -> None:
     """FileExistsError naming the first of `paths` that exists (an export never replaces a file
     unless asked to)."""
     for p in paths:
-        if p.exists():
+        refuse_link(p)
+        if os.path.lexists(p):
             raise FileExistsError(errno.EEXIST, "already exists", str(p))
 
 
@@ -249,7 +250,8 @@ def save_hf(
     overwrite: bool = False,
 ) -> Path:
     """Write out_dir/{model.safetensors, config.json} (+ the tokenizer if it is a Hugging Face
-    one, i.e. has save_pretrained). Files are written under a temp name, then renamed.
+    one, i.e. has save_pretrained), each staged privately, then moved into place
+    (dtrain/safe_write.py): a link planted at any of their names is refused, never followed.
 
     Unless `overwrite`, FileExistsError before anything is written if one of them (or a
     sharded export's index) is already there."""
@@ -263,18 +265,18 @@ def save_hf(
             names += sorted(os.listdir(staging))
         if not overwrite:
             check_new_files([out_dir / n for n in names])
-        out_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(out_dir)
+        refuse_link(out_dir / INDEX)
         (out_dir / INDEX).unlink(missing_ok=True)  # overwrite=true: never leave a stale index
         hf = to_hf_state_dict(model_state, cfg)
         hf = {k: v.to(dtype=dtype, device="cpu").contiguous() for k, v in hf.items()}
-        tmp = out_dir / (WEIGHTS + ".tmp")
-        st.save_file(hf, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out_dir / WEIGHTS)
-        tmp = out_dir / (CONFIG + ".tmp")
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, out_dir / CONFIG)
-        for name in os.listdir(staging):
-            shutil.move(os.path.join(staging, name), out_dir / name)
+        with staged(out_dir / WEIGHTS, overwrite=overwrite) as tmp:
+            st.save_file(hf, str(tmp), metadata={"format": "pt"})
+        write_text(out_dir / CONFIG, json.dumps(config, indent=2) + "\n", overwrite=overwrite)
+        for name in sorted(os.listdir(staging)):
+            if Path(staging, name).is_file():
+                data = Path(staging, name).read_bytes()
+                write_bytes(out_dir / name, data, overwrite=overwrite)
     return out_dir
 
 

@@ -11,6 +11,12 @@ Under torchrun one process locks for the whole job: global rank 0. The other ran
 until the lock file names their own job (torchrun's run id and rendezvous endpoint, the same
 in every rank of a job), and exit 2 naming the holder if it names another job for longer
 than WAIT_S.
+
+A run refused for bad input (a UserError) before its first step leaves the run dir as it
+found it: rank 0 notes what was there when it took the lock, and undo_refused() removes what
+the run added since (the whole dir if it made it), puts back .hydra/ and cuts appended files
+back to their length. A symbolic link anywhere in the run dir is refused before anything is
+written (dtrain/safe_write.py).
 """
 
 from __future__ import annotations
@@ -19,17 +25,52 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, UserError
+from dtrain.safe_write import check_tree
 
 LOCK = ".lock"
 WAIT_S = 120.0  # how long a non-zero rank waits for rank 0 to take the lock for their job
 
 _held: dict[Path, int] = {}  # run dir -> fd of the lock this process holds
+
+
+@dataclass
+class _Before:
+    """The run dir as rank 0 found it, until the run's first step (then forgotten)."""
+
+    existed: bool
+    sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes (files)
+    dirs: set[str] = field(default_factory=set)
+    hydra: dict[str, bytes] = field(default_factory=dict)  # .hydra/ files, to put back
+
+
+_before: dict[Path, _Before] = {}
+KEEP = "checkpoints"  # a refused run never removes from here (resume=auto sets bad ones aside)
+
+
+def _note(run_dir: Path) -> _Before:
+    if not run_dir.is_dir():
+        return _Before(existed=False)
+    b = _Before(existed=True)
+    for dirpath, dirnames, filenames in os.walk(run_dir):
+        rel = Path(dirpath).relative_to(run_dir)
+        if rel.parts[:1] == (KEEP,):
+            continue
+        b.dirs.update(str(rel / d) for d in dirnames)
+        for f in filenames:
+            p = Path(dirpath) / f
+            with contextlib.suppress(OSError):
+                b.sizes[str(rel / f)] = p.stat().st_size
+                if rel.parts[:1] == (".hydra",):
+                    b.hydra[str(rel / f)] = p.read_bytes()
+    return b
 
 
 def _forget_in_child() -> None:
@@ -97,9 +138,12 @@ def acquire(run_dir: str | Path) -> bool:
     if not _is_locker():
         _wait_for_job(run_dir, path)
         return False
+    check_tree(run_dir)
+    before = _note(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # teammates may resume the run
+        # teammates may resume the run; O_NOFOLLOW: a link planted at .lock is never written
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         raise ConfigError(f"run dir {run_dir}: cannot open its lock file {path} ({e})") from None
     try:
@@ -117,7 +161,47 @@ def acquire(run_dir: str | Path) -> bool:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
     _held[run_dir] = fd
+    _before[run_dir] = before
     return True
+
+
+def mark_started(run_dir: str | Path) -> None:
+    """The run trained a step: what it wrote from now on is its own and stays."""
+    _before.pop(_key(run_dir), None)
+
+
+def undo_refused(run_dir: str | Path | None = None) -> None:
+    """Remove what a run refused before its first step added to its run dir (every run dir
+    this process noted, if None); nothing that was there before is removed."""
+    for key in [_key(run_dir)] if run_dir is not None else list(_before):
+        b = _before.pop(key, None)
+        if b is None or not key.is_dir():
+            continue
+        if not b.existed:
+            shutil.rmtree(key, ignore_errors=True)
+            continue
+        _restore(key, b)
+
+
+def _restore(run_dir: Path, b: _Before) -> None:
+    for dirpath, dirnames, filenames in os.walk(run_dir, topdown=True):
+        rel = Path(dirpath).relative_to(run_dir)
+        if rel == Path("."):
+            dirnames[:] = [d for d in dirnames if d != KEEP]
+        for d in list(dirnames):
+            if str(rel / d) not in b.dirs:
+                dirnames.remove(d)
+                shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
+        for f in filenames:
+            name, p = str(rel / f), Path(dirpath) / f
+            with contextlib.suppress(OSError):
+                if name not in b.sizes:
+                    p.unlink()
+                elif name in b.hydra:
+                    if p.read_bytes() != b.hydra[name]:
+                        p.write_bytes(b.hydra[name])
+                elif p.stat().st_size > b.sizes[name]:  # appended to (metrics.jsonl)
+                    os.truncate(p, b.sizes[name])
 
 
 def _lock(fd: int, path: Path, run_dir: Path) -> None:
@@ -171,10 +255,14 @@ def release(run_dir: str | Path) -> None:
 @contextlib.contextmanager
 def hold_run_dir(run_dir: str | Path):
     """The run dir is this run's for the duration (a no-op if this process holds it already,
-    e.g. launch/train.py took it before Hydra wrote anything)."""
+    e.g. launch/train.py took it before Hydra wrote anything). A refusal for bad input before
+    the first step leaves the run dir as it was."""
     took = acquire(run_dir)
     try:
         yield
+    except UserError:
+        undo_refused(run_dir)
+        raise
     finally:
         if took:
             release(run_dir)

@@ -27,7 +27,7 @@ from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
 from dtrain.run.slow_step import SlowStepNotice, SlowSteps
-from dtrain.rundir import hold_run_dir
+from dtrain.rundir import hold_run_dir, mark_started
 
 log = logging.getLogger("dtrain")
 
@@ -126,6 +126,17 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         # (the second where fp8's first step runs eagerly).
         at = "the first step" if slow.compiling_at == step + 1 else f"step {slow.compiling_at}"
         log.info(f"torch.compile: {at} compiles the model and may take a few minutes")
+    if r.resume is not None and step >= end:
+        key = "stop_at_step" if end < t.max_steps else "max_steps"
+        log.warning(
+            "%s is already trained to step %d (trainer.%s=%d): nothing to train; to train it "
+            "further pass a larger trainer.max_steps with hydra.run.dir=%s",
+            r.run_dir,
+            step,
+            key,
+            end,
+            r.run_dir,
+        )
     if step == 0 and t.eval_every > 0:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()
@@ -135,6 +146,8 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         while step < end:
             with SlowStepNotice(step + 1, slow.what(step + 1)):  # stopped however it ends
                 lr, grad_norm = one_step(r, report, step, heartbeat)
+            if step == r.start_step:  # trained: a later error no longer undoes the run dir
+                mark_started(r.run_dir)
             step += 1
             # Before the report: a logged step waits for the GPU, and a collection made while
             # the GPU still runs the step's kernels costs it nothing.

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if done and not args.no_compare:
         from dtrain.cli import compare
 
-        compare.main([str(d) for d in done] + ["--png", str(out / "compare.png")])
+        compare.main([str(d) for d in done] + [f"png={out / 'compare.png'}", "overwrite=true"])
     print(f"[sweep] {len(done)} done, {len(failed)} failed, {len(skipped)} skipped; runs in {out}")
     return 1 if failed else 0
 

@@ -3,7 +3,8 @@
 Hydra composes conf/train.yaml with the overrides; dtrain.config turns it into dataclasses and
 dtrain.train.run trains. Bad input gets one line on stderr and exit code 2: the overrides are
 checked (composed and validated) before Hydra creates or touches the run dir, and the run dir
-is locked for this run (dtrain/rundir.py) before Hydra writes into it.
+is locked for this run (dtrain/rundir.py) before Hydra writes into it; a run refused before its
+first step leaves the run dir as it found it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dtrain.config import CONF_DIR, register_config_bases  # noqa: E402
 from dtrain.errors import FaultError, UserError, fail  # noqa: E402
 from dtrain.run.preflight import check_overrides  # noqa: E402
 from dtrain.rundir import acquire as acquire_run_dir  # noqa: E402
+from dtrain.rundir import undo_refused  # noqa: E402
 
 register_config_bases()  # the schema defaults that conf/ files extend
 
@@ -37,6 +39,7 @@ def main(dcfg: DictConfig) -> None:
     except FaultError as e:
         fail(e, rank0_only=not e.every_rank)
     except UserError as e:
+        undo_refused()  # Hydra's .hydra/ and the lock included: the run dir as it was
         fail(e, rank0_only=not getattr(e, "every_rank", False))
 
 
@@ -45,6 +48,8 @@ if __name__ == "__main__":
     try:
         cfg = check_overrides(sys.argv[1:])
         if cfg is not None:  # held until this process exits: one run per run dir
+            if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in sys.argv[1:]):
+                sys.argv.append(f"hydra.run.dir={cfg.run_dir}")  # Hydra's dir: this one
             acquire_run_dir(cfg.run_dir)
     except UserError as e:
         fail(e, rank0_only=not getattr(e, "every_rank", False))

@@ -681,7 +681,7 @@ def test_compare_prints_the_table_and_writes_the_chart(single_run, tmp_path, cap
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compare_writes_its_chart_beside_the_runs_and_says_where(
+def test_compare_writes_no_chart_unless_asked_and_takes_key_value(
     single_run, tmp_path, capsys, monkeypatch
 ):
     pytest.importorskip("matplotlib")
@@ -691,16 +691,19 @@ def test_compare_writes_its_chart_beside_the_runs_and_says_where(
 
     for name in ("a", "b"):
         shutil.copytree(single_run, tmp_path / "sweep" / name)
+    before = sorted(p.name for p in (tmp_path / "sweep").rglob("*"))
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     assert main([str(tmp_path / "sweep/a"), str(tmp_path / "sweep/b")]) == 0
-    chart = tmp_path / "sweep/compare_memory.png"  # the runs' common parent
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"chart: {chart}"
-    assert main([str(tmp_path / "sweep/a")]) == 0  # one run: inside its run dir
-    assert (tmp_path / "sweep/a/compare_memory.png").is_file()
+    assert sorted(p.name for p in (tmp_path / "sweep").rglob("*")) == before
     assert list(cwd.iterdir()) == []
+    chart = tmp_path / "chart.png"
+    assert main([f"runs=[{tmp_path / 'sweep/a'}]", f"png={chart}", "markdown=true"]) == 0
+    captured = capsys.readouterr()
+    assert "| run | strategy |" in captured.out
+    assert captured.err.strip().splitlines()[-1] == f"chart: {chart}"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_reads_event_files_without_metrics_jsonl(single_run, tmp_path, capsys):

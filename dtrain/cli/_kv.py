@@ -7,6 +7,7 @@ text exactly as typed: a prompt like `prompt=def f(x):` must not be parsed as YA
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -15,8 +16,11 @@ from dtrain.errors import ConfigError
 
 
 def _is_plain_str(tp: Any) -> bool:
+    """str or str | None (not list[str], whose argument is str too)."""
+    if tp is str:
+        return True
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return tp is str or args == [str]
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and args == [str]
 
 
 HELP_FLAGS = ("-h", "--help")

@@ -201,10 +201,10 @@ def calibrate(args: CalibrateArgs) -> tuple[dict, Path | None]:
     path = None
     if rank == 0:
         path = Path(args.out).expanduser() if args.out else default_profile_path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(profile, indent=1))
-        tmp.replace(path)
+        from dtrain.safe_write import write_text
+
+        # A measured profile replaces the last one (its purpose); a link there is refused.
+        write_text(path, json.dumps(profile, indent=1), overwrite=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return profile, path

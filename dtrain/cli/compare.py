@@ -1,11 +1,13 @@
 """Runs side by side: one table and one chart of memory per GPU, predicted beside measured.
 
-    python -m dtrain.cli.compare outputs/ddp-bf16-w2-1b outputs/fsdp-bf16-w2-1b --png mem.png
-    python -m dtrain.cli.compare multirun/2026-11-26_04-00-00/*      # a whole sweep
+    python -m dtrain.cli.compare outputs/ddp-bf16-w2-1b outputs/fsdp-bf16-w2-1b png=mem.png
+    python -m dtrain.cli.compare multirun/2026-11-26_04-00-00/*      # a whole sweep, table only
+    python -m dtrain.cli.compare runs=[RUN_A,RUN_B] markdown=true
 
-The chart goes beside its inputs unless --png names it: RUN_DIR/compare_memory.png for one run,
-the run dirs' common parent folder for several (the first run dir when they share only the
-filesystem root); its path is printed last, on stderr.
+Run dirs are given bare or as runs=[...]; options are key=value (the older --png PATH,
+--markdown, --json and --no-png still work). The table goes to stdout; a chart is written only
+where png=PATH names it (an existing file is replaced only with overwrite=true, a symbolic link
+there never written through), and its path is printed last, on stderr.
 
 Reads each run dir's metrics.jsonl (or, without one, its TensorBoard event files). Throughput
 and MFU are averaged over the logged intervals after the first (which holds compilation and
@@ -16,11 +18,9 @@ optimizer states), compared with the predicted model state.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain.reporting.summary import (
@@ -55,11 +55,17 @@ def _from_hydra(run_dir: Path, s: RunSummary) -> None:
 
 def read_jsonl_run(run_dir: Path) -> RunSummary:
     b = SummaryBuilder(run_dir)
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    path = run_dir / "metrics.jsonl"
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
-            b.add(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a crash
+        except RecursionError:  # nested deeper than any record dtrain writes
+            print(f"warning: {path}:{n} is nested too deeply; skipped", file=sys.stderr)
+            continue
+        if isinstance(record, dict):
+            b.add(record)
     s = b.result()
     if s.strategy == "?":
         _from_hydra(run_dir, s)
@@ -193,76 +199,101 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def write_chart(runs: list[RunSummary], path: Path) -> None:
+def write_chart(runs: list[RunSummary], path: Path, overwrite: bool = False) -> None:
     """Per run: the predicted breakdown stacked, and the measured bar beside it."""
     from dtrain.errors import ConfigError
+    from dtrain.safe_write import staged
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ConfigError(
-            "the chart needs matplotlib: pip install 'dtrain[plot]' (or pass --no-png)"
-        ) from None
+        raise ConfigError("the chart needs matplotlib: pip install 'dtrain[plot]'") from None
     fig = draw_chart(runs)
-    tmp = path.with_name(path.name + ".tmp.png")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, dpi=120)
-        tmp.replace(path)
-    except OSError as e:  # an unwritable folder, a full disk: nothing half-written stays
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise ConfigError(f"--png {path}: cannot write the chart ({e})") from None
+        with staged(path, overwrite=overwrite, key="png") as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    except ConfigError as e:  # an unwritable folder, a full disk: nothing half-written stays
+        raise ConfigError(f"png={path}: cannot write the chart ({e})") from None
     finally:
         import matplotlib.pyplot as plt
 
         plt.close(fig)
 
 
-def check_png_path(path: Path) -> None:
-    """Refuse a --png path the chart could not replace, before any run is read."""
+def check_png_path(path: Path, overwrite: bool = False) -> None:
+    """Refuse a png= path the chart could not (or must not) replace, before any run is read."""
     from dtrain.errors import ConfigError
+    from dtrain.safe_write import exists_message, refuse_link
 
+    refuse_link(path, f"png={path}")
     if path.is_dir():
         raise ConfigError(
-            f"--png {path} is a directory; give a file name, e.g. --png {path / 'memory.png'}"
+            f"png={path} is a directory; give a file name, e.g. png={path / 'memory.png'}"
         )
+    if path.exists() and not overwrite:
+        raise ConfigError(exists_message(path, "png"))
 
 
-CHART_NAME = "compare_memory.png"
+@dataclass
+class CompareArgs:
+    runs: list[str] = field(default_factory=list)  # run dirs (also accepted bare)
+    png: str | None = None  # write the memory chart here
+    overwrite: bool = False  # replace an existing png
+    markdown: bool = False  # the table in markdown
+    json: bool = False  # one JSON object per run instead of the table
 
 
-def default_png(run_dirs: list[str]) -> Path:
-    """Beside the inputs, not in the current directory: the folder the runs share."""
-    dirs = [Path(d).resolve() for d in run_dirs]
-    common = Path(os.path.commonpath(dirs))
-    if common == Path(common.anchor):  # runs that share only / or a drive: no place of theirs
-        common = dirs[0]
-    return common / CHART_NAME
+OLD_FLAGS = {"--markdown": "markdown=true", "--json": "json=true", "--no-png": None}
+
+
+def parse_args(argv: list[str]) -> CompareArgs:
+    """key=value options; bare arguments are run dirs; the older flags are translated."""
+    from dtrain.cli._kv import exit_with_help_if_asked, parse_kv
+    from dtrain.errors import ConfigError
+
+    exit_with_help_if_asked(argv, "python -m dtrain.cli.compare", __doc__, CompareArgs)
+    keys = {f"{k}=" for k in CompareArgs.__dataclass_fields__}
+    kv, runs = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--png":
+            kv.append(f"png={next(it, '')}")
+        elif arg.startswith("--png="):
+            kv.append("png=" + arg[len("--png=") :])
+        elif arg in OLD_FLAGS:
+            if OLD_FLAGS[arg]:
+                kv.append(OLD_FLAGS[arg])
+        elif any(arg.startswith(k) for k in keys):
+            kv.append(arg)
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; valid keys: {', '.join(sorted(keys))}")
+        else:
+            runs.append(arg)
+    args = parse_kv(CompareArgs, kv)
+    args.runs = [str(r) for r in args.runs] + runs
+    if not args.runs:
+        raise ConfigError("no run dirs given; e.g. python -m dtrain.cli.compare outputs/RUN")
+    if args.png == "":
+        raise ConfigError("png= needs a file name, e.g. png=memory.png")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     from dtrain.errors import UserError, fail
 
-    ap = argparse.ArgumentParser(prog="python -m dtrain.cli.compare", description=__doc__)
-    ap.add_argument("run_dirs", nargs="+", help="run directories (metrics.jsonl or tensorboard/)")
-    ap.add_argument("--png", default=None, help="chart path (default: beside the run dirs)")
-    ap.add_argument("--no-png", action="store_true", help="print the table only")
-    ap.add_argument("--markdown", action="store_true", help="the table in markdown")
-    ap.add_argument("--json", action="store_true", help="one JSON object per run instead")
-    args = ap.parse_args(argv)
-    png = Path(args.png) if args.png else default_png(args.run_dirs)
     try:
-        if not args.no_png:
-            check_png_path(png)
-        runs = [read_run(d) for d in args.run_dirs]
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        png = Path(args.png) if args.png else None
+        if png is not None:
+            check_png_path(png, args.overwrite)
+        runs = [read_run(d) for d in args.runs]
         if args.json:
             for r in runs:
                 print(json.dumps({**r.__dict__, "error_pct": r.error_pct}))
         else:
             print(render_table(runs, markdown=args.markdown))
-        if not args.no_png:
-            write_chart(runs, png)
+        if png is not None:
+            write_chart(runs, png, overwrite=args.overwrite)
             print(f"chart: {png}", file=sys.stderr)
     except UserError as e:
         fail(e, rank0_only=False)

@@ -10,7 +10,8 @@ used a Hugging Face tokenizer): `LlamaForCausalLM.from_pretrained(DIR)` loads it
 optimizer, manifest) of a checkpoint saved by any number of ranks into one torch.save file.
 `checkpoint` is a checkpoints/step_NNNNNNN folder or a run dir (its newest checkpoint); its
 files are checked against its manifest.json first. An existing output file is replaced only
-with overwrite=true.
+with overwrite=true; a symbolic link at an output name is refused, never written through.
+Weights holding NaN or inf are refused unless allow_nonfinite=true.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ExportArgs:
     format: str = "hf"  # hf | torch
     dtype: str = "float32"  # hf only: float32 | bfloat16 | float16
     overwrite: bool = False  # replace output files that already exist
+    allow_nonfinite: bool = False  # export weights that hold NaN or inf anyway
 
 
 FORMATS = ("hf", "torch")
@@ -49,15 +51,20 @@ def main(argv: list[str] | None = None) -> Path:
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
     from dtrain.hf import HF_FILES
+    from dtrain.safe_write import refuse_link, staged
     from dtrain.weights import consolidate, load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
     out = Path(args.out)
+    refuse_link(out, f"out={out}")
     if args.format == "torch":
         if out.is_dir():
             out = out / f"{path.name}.pt"
         _refuse_existing([out], args.overwrite)
-        consolidate(path, out)
+        with staged(out, overwrite=args.overwrite) as tmp:
+            consolidate(path, tmp)
+            state = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+            check_finite(state.get("model", {}), path, args.allow_nonfinite)
         print(f"wrote {out}")
         return out
 
@@ -69,6 +76,7 @@ def main(argv: list[str] | None = None) -> Path:
     # Before the checkpoint is read; save_hf checks again, with the tokenizer's files.
     _refuse_existing([out / name for name in HF_FILES], args.overwrite)
     loaded = load_checkpoint(path, "cpu")
+    check_finite(loaded.model.state_dict(), path, args.allow_nonfinite)
     tokenizer = tokenizer_for(loaded.data_cfg)
     try:
         save_hf(
@@ -85,8 +93,22 @@ def main(argv: list[str] | None = None) -> Path:
     return out
 
 
+def check_finite(model_state: dict, path, allow: bool) -> None:
+    """Weights with NaN or inf load and sample silently into garbage: refused unless asked."""
+    from dtrain.nonfinite import nonfinite_tensors
+
+    count, names = nonfinite_tensors(model_state)
+    if count and not allow:
+        raise ConfigError(
+            f"checkpoint {path} holds NaN or inf in {count} weight tensor(s) (first: "
+            f"{names[0]}); resume from an earlier checkpoint, or pass allow_nonfinite=true"
+        )
+
+
 def _exists(path) -> str:
-    return f"{path} already exists; pass overwrite=true to replace it, or choose another out="
+    from dtrain.safe_write import exists_message
+
+    return exists_message(path)
 
 
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from dtrain.cli.export import check_finite
 from dtrain.errors import ConfigError, UserError, fail
 
 
@@ -32,6 +33,7 @@ class GenerateArgs:
     use_cache: bool = True
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 | float16 (autocast for the forward)
+    allow_nonfinite: bool = False  # sample from weights that hold NaN or inf anyway
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     path = resolve_checkpoint(args.checkpoint)
     loaded = load_checkpoint(path, device)
+    check_finite(loaded.model.state_dict(), path, args.allow_nonfinite)
     tokenizer = tokenizer_for(loaded.data_cfg)
     if args.prompt_ids is not None:
         ids = list(args.prompt_ids)
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     vocab = loaded.model_cfg.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ConfigError(f"prompt_ids must be in [0, {vocab})")
+    check_samples_fit(args.num_samples, len(ids) + args.max_new_tokens, loaded.model_cfg, device)
     prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
@@ -109,6 +113,24 @@ def main(argv: list[str] | None = None) -> list[str]:
             print(f"--- sample {j} ---")
         print(text, flush=True)
     return texts
+
+
+def check_samples_fit(num_samples: int, length: int, model_cfg, device) -> None:
+    """num_samples sequences of `length` tokens at once: their KV cache and logits must fit
+    half the device's memory, or the run would swap or hang instead of failing."""
+    from dtrain.memory.report import fmt_bytes
+    from dtrain.memory.search import device_capacity
+
+    m = model_cfg
+    kv_dim = m.n_kv_head * m.head_dim
+    per_sample = 4 * (2 * m.n_layer * kv_dim * length + 4 * m.vocab_size + 12 * m.d_model * length)
+    limit = device_capacity(device) // 2
+    if num_samples * per_sample > limit:
+        raise ConfigError(
+            f"num_samples={num_samples} needs about {fmt_bytes(num_samples * per_sample)} for "
+            f"{length} tokens each, more than half of this device's memory ({fmt_bytes(limit)}); "
+            f"at most num_samples={max(1, limit // per_sample)} fits"
+        )
 
 
 def parse_kv_args(argv: list[str]) -> GenerateArgs:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import ConfigError, DataError
+from dtrain.safe_write import staged
 
 log = logging.getLogger("dtrain")
 
@@ -174,10 +175,10 @@ def build_tokenizer(
                 train_bytes,
             )
             tok = train_bpe(train_texts(), vocab_size)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tok.save(str(tmp))
-            os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+            # Staged and renamed: a concurrent run never reads half a file, and a link
+            # planted at the cache's name is refused, never written through.
+            with staged(path, overwrite=True) as tmp:
+                tok.save(str(tmp))
             log.info("saved the BPE tokenizer to %s", path)
         text = path.read_text()
     else:

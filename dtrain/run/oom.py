@@ -3,8 +3,8 @@ changes that fit, fastest first (dtrain.memory.advice; docs/planner.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from dtrain import dist as ddist
 from dtrain.config import TrainConfig
 from dtrain.errors import ConfigError, FaultError
 from dtrain.hardware import GpuSpec, gpu_named
+from dtrain.safe_write import write_text
 
 log = logging.getLogger("dtrain")
 
@@ -60,11 +61,10 @@ def out_of_memory(cfg: TrainConfig, env: ddist.DistEnv, err: BaseException) -> F
         torch.cuda.empty_cache()  # what the failed step held, so the report itself can run
     advice = advice_text(cfg, env)
     path = Path(cfg.run_dir) / ADVICE_FILE
-    tmp = path.with_name(f".{ADVICE_FILE}.{env.rank}.{os.getpid()}")
-    tmp.write_text(advice + "\n")
     # Each rank that ran out writes the advice for its own card (the same text unless the
-    # cards differ); the last rename wins whole.
-    os.replace(tmp, path)
+    # cards differ); the last rename wins whole, and a link planted there is never followed.
+    with contextlib.suppress(ConfigError):  # the advice is logged below either way
+        write_text(path, advice + "\n", overwrite=True)
     log.error("rank %d ran out of memory; %s", env.rank, advice)
     first = (str(err).strip().splitlines() or ["CUDA out of memory"])[0]
     e = FaultError(

@@ -151,7 +151,7 @@ def test_export_overwrite_refusal_as_a_real_process(ckpts, tmp_path):
     assert (out / "config.json").read_text() == "mine\n" and len(list(out.iterdir())) == 1
 
 
-# --- compare --png ----------------------------------------------------------------------
+# --- compare png= ------------------------------------------------------------------------
 
 
 def test_compare_png_that_is_a_directory(ckpts, tmp_path):
@@ -159,9 +159,9 @@ def test_compare_png_that_is_a_directory(ckpts, tmp_path):
     chart = tmp_path / "charts"
     chart.mkdir()
     before = snapshot(tmp_path)
-    line = _one_line(_cli("dtrain.cli.compare", str(run), "--png", str(chart)))
+    line = _one_line(_cli("dtrain.cli.compare", str(run), f"png={chart}"))
     assert line == (
-        f"error: --png {chart} is a directory; give a file name, e.g. --png {chart / 'memory.png'}"
+        f"error: png={chart} is a directory; give a file name, e.g. png={chart / 'memory.png'}"
     )
     assert snapshot(tmp_path) == before
     assert not list(tmp_path.rglob("*.tmp.png"))
@@ -172,7 +172,7 @@ def test_compare_png_that_cannot_be_written_leaves_no_temp_file(ckpts, tmp_path)
 
     (tmp_path / "a_file").write_text("not a folder\n")
     chart = tmp_path / "a_file" / "memory.png"  # unwritable even for root
-    with pytest.raises(ConfigError, match=f"--png {chart}: cannot write the chart"):
+    with pytest.raises(ConfigError, match=f"png={chart}: cannot write the chart"):
         write_chart([read_run(ckpts["good"].parents[1])], chart)
     assert not list(tmp_path.rglob("*.png"))
 

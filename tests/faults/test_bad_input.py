@@ -193,7 +193,7 @@ def test_catalogue_in_process(world, tmp_path, args, message):
     assert message in msg, msg
     assert "\n" not in msg.strip()
     assert snapshot(world["tmp"]) == before
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # a refused run leaves no run dir behind
 
 
 def test_catalogue_is_at_least_40_cases_and_none_repeats_test_cli():
@@ -256,3 +256,4 @@ def test_representative_cases_as_real_processes(world, tmp_path, args):
     assert res.stderr.strip().splitlines() == [one_error_line(res.stderr)], res.stderr
     assert message in res.stderr
     assert snapshot(world["tmp"]) == before
+    assert not (tmp_path / "run").exists()  # Hydra's .hydra/ and the lock removed too
