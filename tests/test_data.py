@@ -313,7 +313,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
         (lambda p: (p / "e.txt").write_text("") or str(p / "e.txt"), "is empty"),
         (
             lambda p: (p / "f.jsonl").write_text('{"body": "x", "id": 1}\n') and str(p / "f.jsonl"),
-            "no field 'text' .*their fields: body, id",
+            "no field 'text' .*(its|their) fields: body, id",
         ),
         (lambda p: (p / "x.csv").write_text("a,b\n") and str(p / "x.csv"), "unknown extension"),
     ],
@@ -322,6 +322,22 @@ def test_bad_sources_fail_at_start_up_in_one_line(tmp_path, make, match):
     with pytest.raises(DataError, match=match) as e:
         build_data(local_cfg(make(tmp_path)), seq_len=8, seed=0, device=torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_a_glob_with_one_jsonl_file_without_the_text_field_names_that_file(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(9))
+        )
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x", "id": 1}) + "\n")
+    with pytest.raises(DataError) as e:
+        build_data(
+            local_cfg(str(tmp_path / "*.jsonl")), seq_len=8, seed=0, device=torch.device("cpu")
+        )
+    assert str(e.value) == (
+        f"data file '{tmp_path / 'c.jsonl'}' has no field 'text' (data.text_field); its fields: "
+        "body, id"
+    )
 
 
 def test_truncated_parquet_and_missing_tokenizer(tmp_path):
