@@ -244,6 +244,21 @@ def test_the_default_data_starts_at_every_world_size_and_plans_its_sharing():
     )
 
 
+def test_data_with_fewer_documents_than_streams_says_to_lower_them(tmp_path):
+    (tmp_path / "tiny.txt").write_text("one small doc here\n\ntwo small doc\n\nthree\n")
+    bundle = build_data(
+        local_cfg(str(tmp_path / "tiny.txt"), eval_fraction=0.0),
+        seq_len=8,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    (b,) = streams(bundle, 3, micro=1, workers=0)[:1]
+    with pytest.raises(DataError, match=r"has no tokens in epoch 0: fewer usable documents than "
+                       r"data.num_streams \(lower it\)"):  # fmt: skip
+        b.next_step()
+    b.close()
+
+
 def test_eval_batches_are_fixed_and_split_across_ranks(corpus):
     files, tok = corpus
     bundle = build_data(local_cfg(files, str(tok)), seq_len=SEQ, seed=0, device=torch.device("cpu"))
