@@ -55,7 +55,8 @@ class DataConfig:
     vocab_size: int | None = None  # synthetic: its random tokens' vocab; bpe: vocab (None: 8192)
     eval_fraction: float = 0.02  # share of documents held out for eval, never trained on
     max_bytes: int | None = None  # cap on the embedded corpus size (None: all of it)
-    num_streams: int = 8  # streams the data is cut into; the world size must divide it
+    # streams the data is cut into; any world size reads them, a multiple of it reads each once
+    num_streams: int = 8
     num_workers: int = 1  # DataLoader worker processes per rank (tokenize off the main process)
     prefetch_factor: int = 4  # items each worker keeps ready
     shuffle_window: int = 1024  # records shuffled together (per stream, reshuffled per epoch)

@@ -9,6 +9,9 @@
 #   NNODES=2 NODE_RANK=1 RDZV_HOST=10.0.0.1 launch/multinode.sh strategy=fsdp \
 #       hydra.run.dir=/shared/runs/fsdp-1b model=1b
 #
+# The data needs no setting for the number of nodes (any world size reads the same batches);
+# data.num_streams at a multiple of the world size only saves tokenizing (docs/data.md).
+#
 #   IMAGE          the dtrain image (default dtrain:latest)
 #   RDZV_HOST      address of the node hosting the c10d rendezvous (required for NNODES > 1)
 #   RDZV_PORT      its port (default 29400)

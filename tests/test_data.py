@@ -13,7 +13,7 @@ import torch
 
 from dtrain.config import DataConfig
 from dtrain.data import BatchStream, build_data, eval_batches
-from dtrain.errors import ConfigError, DataError
+from dtrain.errors import DataError
 from tests.conftest import launch, read_jsonl
 
 N_TOKENS = 1500  # numbered tokens "0".."1499", each in exactly one document
@@ -176,15 +176,87 @@ def test_resume_after_k_steps_gives_the_uninterrupted_batches(corpus):
         want = torch.cat(expect[i])
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist())), i
 
-    # A world size that does not divide the streams: a clear refusal, not a silent repeat.
-    with pytest.raises(ConfigError, match="cannot be split over 3 ranks"):
-        streams(bundle, 3)
     other = build_data(
         local_cfg(files, str(tok), num_streams=4), seq_len=SEQ, seed=0, device=torch.device("cpu")
     )
     (b4,) = streams(other, 1)
     with pytest.raises(DataError, match="into data.num_streams=4"):
         b4.load_state_dict(state)
+
+
+def rows_of_step(bs: list[BatchStream]) -> list[tuple]:
+    """The sequences every rank trains on in the next step, as one sorted list."""
+    return sorted(tuple(row) for x in step_all(bs) for row in x.tolist())
+
+
+WORLDS = (1, 2, 3, 4, 6)  # 8 streams: divides them, or shares them (3 and 6 read all or half)
+
+
+def test_any_world_size_resumes_exactly_at_any_other(corpus):
+    # Global batch 12 at every world size; 20 steps after the resume cross epoch seams.
+    files, tok = corpus
+    bundle = build_data(
+        local_cfg(files, str(tok), shuffle_window=8),
+        seq_len=SEQ,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    assert bundle.train.spec.n_streams == 8  # the default
+    k, m, G = 5, 20, 12
+    (ref,) = streams(bundle, 1, micro=G, workers=0)
+    want = [rows_of_step([ref]) for _ in range(k + m)]
+    for a in WORLDS:
+        run = streams(bundle, a, micro=G // a, workers=2 if a == 3 else 0)
+        assert [rows_of_step(run) for _ in range(k)] == want[:k], a
+        state = json.loads(json.dumps(merged_state(run)))
+        assert sorted(state["streams"], key=int) == [str(s) for s in range(8)]
+        for b in WORLDS:
+            if b == a:
+                continue
+            resumed = streams(bundle, b, micro=G // b, workers=0)
+            for r in resumed:
+                r.load_state_dict(state)
+            got = [rows_of_step(resumed) for _ in range(m)]
+            assert got == want[k:], (a, b)
+            for r in resumed:
+                r.close()
+        for r in run:
+            r.close()
+
+
+def test_the_default_data_starts_at_every_world_size_and_plans_its_sharing():
+    from dtrain.data import data_note
+
+    cfg = DataConfig(max_bytes=300_000)  # the embedded default, small
+    bundle = build_data(cfg, seq_len=32, seed=0, device=torch.device("cpu"))
+    (ref,) = streams(bundle, 1, micro=12, workers=0)
+    want = [rows_of_step([ref]) for _ in range(2)]
+    for world in WORLDS:
+        bs = streams(bundle, world, micro=12 // world, workers=0)
+        assert [rows_of_step(bs) for _ in range(2)] == want, world
+        for b in bs:
+            b.close()
+    assert data_note(cfg, 8) is None and data_note(cfg, 4) is None
+    assert "each rank tokenizes 128x" in data_note(cfg, 1024)
+    assert "data.num_streams=1024 reads each record once" in data_note(cfg, 1024)
+    assert "stop at start-up: data.num_streams must be >= 1" in data_note(
+        DataConfig(num_streams=0), 16
+    )
+
+
+def test_data_with_fewer_documents_than_streams_says_to_lower_them(tmp_path):
+    (tmp_path / "tiny.txt").write_text("one small doc here\n\ntwo small doc\n\nthree\n")
+    bundle = build_data(
+        local_cfg(str(tmp_path / "tiny.txt"), eval_fraction=0.0),
+        seq_len=8,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    (b,) = streams(bundle, 3, micro=1, workers=0)[:1]
+    with pytest.raises(DataError, match=r"has no tokens in epoch 0: fewer usable documents than "
+                       r"data.num_streams \(lower it\)"):  # fmt: skip
+        b.next_step()
+    b.close()
 
 
 def test_eval_batches_are_fixed_and_split_across_ranks(corpus):
@@ -256,7 +328,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
         (lambda p: (p / "e.txt").write_text("") or str(p / "e.txt"), "is empty"),
         (
             lambda p: (p / "f.jsonl").write_text('{"body": "x", "id": 1}\n') and str(p / "f.jsonl"),
-            "no field 'text' .*their fields: body, id",
+            "no field 'text' .*(its|their) fields: body, id",
         ),
         (lambda p: (p / "x.csv").write_text("a,b\n") and str(p / "x.csv"), "unknown extension"),
     ],
@@ -265,6 +337,22 @@ def test_bad_sources_fail_at_start_up_in_one_line(tmp_path, make, match):
     with pytest.raises(DataError, match=match) as e:
         build_data(local_cfg(make(tmp_path)), seq_len=8, seed=0, device=torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_a_glob_with_one_jsonl_file_without_the_text_field_names_that_file(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(9))
+        )
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x", "id": 1}) + "\n")
+    with pytest.raises(DataError) as e:
+        build_data(
+            local_cfg(str(tmp_path / "*.jsonl")), seq_len=8, seed=0, device=torch.device("cpu")
+        )
+    assert str(e.value) == (
+        f"data file '{tmp_path / 'c.jsonl'}' has no field 'text' (data.text_field); its fields: "
+        "body, id"
+    )
 
 
 def test_truncated_parquet_and_missing_tokenizer(tmp_path):

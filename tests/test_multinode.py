@@ -65,12 +65,14 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def run_nodes(nodes: Nodes, run_dir: Path, *overrides: str, extra_env: dict | None = None):
+def run_nodes(
+    nodes: Nodes, run_dir: Path, *overrides: str, extra_env: dict | None = None, nproc: int = 1
+):
     procs = []
     for i in range(2):
         env = {
             "NNODES": "2",
-            "NPROC_PER_NODE": "1",
+            "NPROC_PER_NODE": str(nproc),
             "RDZV_ENDPOINT": nodes.endpoint,
             "RDZV_ID": run_dir.name,
             **nodes.node_env(i),
@@ -165,6 +167,19 @@ def test_two_nodes_ddp_matches_one_node(nodes, local_run, tmp_path):
         assert "ranks: 2 node(s) x 1 rank(s): node0 [0], node1 [1]" in outs[0]
     # The same global batch on 2 nodes x 1 rank as on 1 node x 2 ranks: the same numbers.
     assert_bit_exact(local_run, tmp_path / "two_nodes")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_3_ranks_train_the_default_datas_global_batch(nodes, tmp_path):
+    # 6 ranks share the default 8 streams: the steps are one process's with the same batch.
+    steps = ["trainer.max_steps=3", "checkpoint.save_final=false"]
+    run_nodes(nodes, tmp_path / "six", "trainer.micro_batch_size=2", *steps, nproc=3)
+    single = tmp_path / "single"
+    train(single, *ARGS[len(FAST) :], "strategy=single", "trainer.micro_batch_size=12", *steps)
+    a, b = train_losses(single), train_losses(tmp_path / "six")
+    assert sorted(b) == [1, 2, 3]
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
 
 
 @pytest.mark.slow

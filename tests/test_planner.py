@@ -503,6 +503,10 @@ def test_plan_prints_speed_and_the_fastest(capsys):
         (["precisions=bf17"], "precisions= has unknown 'bf17'"),
         (["profile=/nonexistent.json"], "no such file"),
         (["trainer.micro_batch_size=auto", "model=8b", "gpu=l4-24gb"], "no micro-batch fits"),
+        (["mfu=nan"], "mfu must be a finite number, got nan"),
+        (["mfu=inf"], "mfu must be a finite number, got inf"),
+        (["mfu=0"], "mfu must be in [0.001, 1.0], got 0"),
+        (["mfu=1.5"], "mfu must be in [0.001, 1.0], got 1.5"),
     ],
 )
 def test_plan_bad_speed_input_is_one_line_and_exit_2(capsys, args, message):
@@ -512,6 +516,34 @@ def test_plan_bad_speed_input_is_one_line_and_exit_2(capsys, args, message):
         main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("world", [16, 64, 1024, 4096])
+def test_plan_answers_at_any_world_size_with_a_note_on_the_data(capsys, world):
+    from dtrain.cli.plan import main
+
+    argv = ["model=8b", "strategy=fsdp", f"world_size={world}", "gpu=h100-80gb", "profile=none"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("8b (") and f"| {world} x h100-80gb |" in out[0]
+    note = [x for x in out if x.startswith("note: data:")]
+    assert note == [
+        f"note: data: {world} ranks read data.num_streams=8 streams, so each rank tokenizes "
+        f"{world // 8}x the blocks it trains on; data.num_streams={world} reads each record once "
+        "(for a new run: a resume keeps the checkpoint's)"
+    ]
+    assert any(x.strip().startswith("fits in") or "does NOT fit" in x for x in out)
+
+
+def test_the_planner_pages_fastest_example_needs_no_strategy(capsys):
+    from dtrain.cli.plan import main
+
+    # docs/planner.md's second example, as written there
+    argv = "model=8b world_size=16 gpus_per_node=8 gpu=h100-80gb trainer.seq_len=8192 "
+    argv += "model.vocab_size=128256 objective=fastest precisions=bf16 profile=none"
+    assert main(argv.split()) == 0
+    out = capsys.readouterr().out
+    assert "strategy=fsdp's; the search tries others" in out and "\n  1. " in out
 
 
 def test_oom_advice_lists_changes_that_fit():

@@ -18,6 +18,7 @@ Bad input: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -60,8 +61,10 @@ def _number(value: str, key: str, cast, low: float, high: float | None = None):
 
     try:
         x = cast(float(value)) if cast is int and "e" in value.lower() else cast(value)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if not math.isfinite(x):  # nan compares false with both bounds
+        raise ConfigError(f"{key} must be a finite number, got {value}")
     if x < low or (high is not None and x > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ConfigError(f"{key} must be {bound}, got {value}")
@@ -136,13 +139,13 @@ def _choices(opts: dict[str, str], key: str, valid: list[str]) -> list[str] | No
 
 def checked_setup(cfg, world: int, gpu):
     """(cfg, precision, setup) for the plan, refusing what training would refuse before it
-    starts, with its words and in its order: the strategy's checks, the batch, then the data's
-    streams. micro_batch_size=auto and reshard_after_forward=auto are resolved as training
-    resolves them (the last item: one line per decision)."""
+    starts, with its words and in its order: the strategy's checks, then the batch (the data's
+    settings are a note, build_plan's, never a refusal). micro_batch_size=auto and
+    reshard_after_forward=auto are resolved as training resolves them (the last item: one line
+    per decision)."""
     from dataclasses import replace
 
     from dtrain.config import resolve_grad_accum
-    from dtrain.data import check_world_size
     from dtrain.memory import plan_precision, resolve_vocab, setup_from_config
     from dtrain.memory.search import resolve_auto_options
     from dtrain.precision import fp8_scaling_note
@@ -160,13 +163,13 @@ def checked_setup(cfg, world: int, gpu):
     if note := fp8_scaling_note(cfg.precision, precision, shards):
         auto = [*auto, note]
     resolve_grad_accum(cfg.trainer, world)
-    check_world_size(cfg.data, world)
     return cfg, precision, setup_from_config(cfg, precision, world, device="cuda"), auto
 
 
 def build_plan(argv: list[str]) -> dict:
     """Everything the plan prints, as one JSON-able dict."""
     from dtrain.config import compose
+    from dtrain.data import data_note
     from dtrain.hardware import gpu_peak_flops
     from dtrain.memory import compute_budget, largest_micro_batch, plan_memory, summary_text
     from dtrain.memory.machine import build_machine, find_profile
@@ -174,7 +177,10 @@ def build_plan(argv: list[str]) -> dict:
 
     opts, overrides = split_args(argv)
     o = plan_options(opts)
+    overrides, searched = _search_base(overrides, o)
     cfg, precision, setup, auto = checked_setup(compose(overrides), o.world, o.gpu)
+    if searched:
+        auto = [*auto, searched]
     world, t = o.world, cfg.trainer
     plan = plan_memory(cfg.model, setup)
     machine = build_machine(o.gpu, find_profile(o.gpu, o.profile), o.gpus_per_node)
@@ -199,6 +205,7 @@ def build_plan(argv: list[str]) -> dict:
         "micro_batch_size": t.micro_batch_size,
         "micro_batch_auto": any(n.startswith("trainer.micro_batch_size") for n in auto),
         "auto": auto,
+        "data_note": data_note(cfg.data, world),
         "seq_len": t.seq_len,
         "grad_accum_steps": setup.grad_accum_steps,
         "activation_checkpointing": setup.activation_checkpointing,
@@ -218,6 +225,20 @@ def build_plan(argv: list[str]) -> dict:
     if o.objective == "fastest":
         out["fastest"] = fastest(cfg, setup, machine, o)
     return out
+
+
+def _search_base(overrides: list[str], o: PlanOptions) -> tuple[list[str], str | None]:
+    """objective=fastest searches the strategies, so none need be given: the detailed plan is
+    then the first of strategies= (else fsdp, which runs at any world size) on more than one GPU.
+    Returns the overrides and the line that says so (None: the user's own strategy)."""
+    given = any(a.lstrip("+~").split("=")[0] in ("strategy", "strategy.name") for a in overrides)
+    if o.objective != "fastest" or given or o.world == 1:
+        return overrides, None
+    base = (o.strategies or ["fsdp"])[0]
+    if base == "single":
+        base = next((x for x in (o.strategies or []) if x != "single"), "fsdp")
+    line = f"strategy: not given, so the plan below is strategy={base}'s; the search tries others"
+    return [*overrides, f"strategy={base}"], line
 
 
 def fastest(cfg, setup, machine, o: PlanOptions) -> dict:
@@ -281,6 +302,7 @@ def render_text(p: dict) -> str:
         f"tokens, accumulation {p['grad_accum_steps']}"
         f" | checkpointing {p['activation_checkpointing']}, compile {p['compile']}",
         *p.get("auto", []),
+        *([f"note: {p['data_note']}"] if p.get("data_note") else []),
         "",
         "memory per GPU (rank 0)",
     ]

@@ -19,8 +19,8 @@ from dtrain.data.loader import (
     EvalBlocks,
     SyntheticBlocks,
     TrainStreams,
-    check_streams,
     eval_batches,
+    sharing_note,
 )
 from dtrain.data.sources import SOURCES, SourceSpec, build_source_spec, check_source, open_records
 from dtrain.data.stream import StreamSpec, classify, is_heldout
@@ -183,18 +183,25 @@ def tokenizer_for(cfg: DataConfig):
     return _tokenizer(cfg, spec, holdout, is_main=True, share=lambda text: text)
 
 
-def check_world_size(cfg: DataConfig, world_size: int) -> None:
-    """What BatchStream refuses for this data at this world size, without opening the data
-    (the planner runs it). Synthetic data is not cut into streams."""
-    if cfg.source != "synthetic":
-        check_streams(cfg.num_streams, world_size)
+def data_note(cfg: DataConfig, world_size: int) -> str | None:
+    """One line on what these data settings cost or refuse at this world size, without
+    opening the data (the planner prints it; it never stops a plan). None: nothing to say."""
+    from dtrain.errors import UserError
+
+    try:
+        _check(cfg)
+    except UserError as e:
+        return f"the run would stop at start-up: {e}"
+    if cfg.source == "synthetic":
+        return None
+    return sharing_note(cfg.num_streams, world_size)
 
 
 __all__ = [
     "BatchStream",
     "DataBundle",
     "build_data",
-    "check_world_size",
+    "data_note",
     "eval_batches",
     "tokenizer_for",
 ]

@@ -1,16 +1,18 @@
-"""This rank's batches: streams owned by (rank, worker), a global order, an exact position.
+"""This rank's batches: streams read by (rank, worker), a global order, an exact position.
 
 The data is cut into S = data.num_streams streams (stream.py). Blocks have a global order that
 does not depend on the number of ranks or workers: block k is the (k // S)-th block of stream
 k % S, and step n trains on blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a
-world of size R owns the streams s with s % R == r and takes the blocks k with k % R == r; its
-DataLoader workers split its streams between them. Hence:
-  * each token is read by exactly one (rank, worker), once per epoch of its stream;
-  * a step sees the same blocks with 1 rank x micro 8 as with 2 ranks x micro 4 (parity);
-  * the position is the global count of blocks consumed plus each stream's small state;
-    resuming rebuilds every stream at its state, so the next batch is the one an uninterrupted
-    run would have seen, with any number of workers, and with another world size R' as long as
-    S % R' == 0 (else resume stops with a message naming the valid world sizes).
+world of size R takes the blocks k with k % R == r, so it reads the streams s with
+s % g == r % g (g = gcd(S, R)) and keeps every (R/g)-th block of each: when R divides S a rank
+owns whole streams and reads each record once; otherwise R/g ranks read a stream and each keeps
+its share. Its DataLoader workers split its streams between them. Hence:
+  * each block is trained on by exactly one (rank, worker), once per epoch of its stream;
+  * a step sees the same blocks with 1 rank x micro 8 as with 2 or 3 ranks (parity);
+  * the position is the global count of blocks consumed plus each stream's small state,
+    taken from the rank that took the stream's last consumed block; resuming rebuilds every
+    stream at its state, so the next batch is the one an uninterrupted run would have seen,
+    with any number of workers and any world size.
 Workers run ahead (prefetch); each block carries its stream's state after it, and the state
 that is saved is the one of the last block the loop actually took.
 """
@@ -25,12 +27,13 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from math import gcd
 
 import torch
 
 from dtrain.data.stream import SKIP_KINDS, StreamSpec, classify, is_heldout, start_state
 from dtrain.data.stream import stream_blocks as _stream_blocks
-from dtrain.errors import ConfigError, DataError
+from dtrain.errors import DataError
 from dtrain.preemption import ignore_stop_signals
 
 log = logging.getLogger("dtrain")
@@ -72,19 +75,54 @@ class SyntheticBlocks:
         )
 
 
+def read_streams(n_streams: int, rank: int, world: int) -> list[int]:
+    """The streams rank `rank` of `world` reads: those holding a block k with k % world == rank."""
+    g = gcd(n_streams, world)
+    return [s for s in range(n_streams) if (s - rank) % g == 0]
+
+
+def holder(stream: int, consumed: int, n_streams: int, world: int) -> int:
+    """The rank that took the stream's last block before `consumed` (whose state is the
+    stream's position), or, when it has none yet, the lowest rank that reads it."""
+    if consumed <= stream:
+        return stream % gcd(n_streams, world)
+    last = stream + (consumed - 1 - stream) // n_streams * n_streams
+    return last % world
+
+
+def blocks_before(stream: int, consumed: int, n_streams: int) -> int:
+    """How many blocks of the stream the first `consumed` blocks of the global order hold."""
+    return max(0, (consumed - stream + n_streams - 1) // n_streams)
+
+
+def _kept(blocks, stream: int, n_streams: int, rank: int, world: int):
+    """The blocks of a stream that are this rank's (k % world == rank), with the records
+    skipped before each counted once, by the rank that keeps it."""
+    for blk, pos, skips in blocks:
+        if (stream + n_streams * (pos["j"] - 1)) % world == rank:
+            yield blk, pos, skips
+
+
 class _RankStreams(torch.utils.data.IterableDataset):
     """What the DataLoader workers of one rank run: worker w of W reads streams owned[w::W] and
-    yields one block of each per item, with the streams' positions after those blocks."""
+    yields this rank's next block of each per item, with the streams' positions after them."""
 
-    def __init__(self, spec: StreamSpec, owned: list[int], states: dict[int, dict]):
+    def __init__(
+        self, spec: StreamSpec, owned: list[int], states: dict[int, dict], rank: int, world: int
+    ):
         self.spec, self.owned, self.states = spec, owned, states
+        self.rank, self.world = rank, world
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w, n = (info.id, info.num_workers) if info else (0, 1)
         mine = self.owned[w::n]
         try:
-            gens = [_stream_blocks(self.spec, s, self.states[s]) for s in mine]
+            S = self.spec.n_streams
+            gens = [
+                _kept(_stream_blocks(self.spec, s, self.states[s]), s, S, self.rank, self.world)
+                for s in mine
+            ]
             while True:
                 blocks, states, skips = [], [], dict.fromkeys(SKIP_KINDS, 0)
                 for g in gens:
@@ -116,6 +154,7 @@ class _StepReader:
         states,
         *,
         k: int,
+        rank: int,
         world: int,
         micro: int,
         accum: int,
@@ -125,7 +164,7 @@ class _StepReader:
         self.states = dict(states)
         self.queues: dict[int, deque] = {s: deque() for s in owned}
         workers = min(b.num_workers, len(owned))
-        ds = _RankStreams(b.spec, owned, dict(states))
+        ds = _RankStreams(b.spec, owned, dict(states), rank, world)
         loader = torch.utils.data.DataLoader(
             ds,
             batch_size=None,  # items are already one block per stream of a worker
@@ -259,14 +298,21 @@ class Prefetcher:
         self._thread.join(timeout=10)
 
 
-def check_streams(n_streams: int, world_size: int) -> None:
-    """Each rank owns whole streams: the world size must divide data.num_streams."""
-    if n_streams % world_size:
-        valid = [d for d in range(1, n_streams + 1) if n_streams % d == 0]
-        raise ConfigError(
-            f"data.num_streams={n_streams} cannot be split over {world_size} ranks; use a "
-            f"multiple of the world size, or a world size in {valid}"
-        )
+def sharing_note(n_streams: int, world: int) -> str | None:
+    """Where ranks share streams: how much more each tokenizes than it trains on, and the fix."""
+    share = world // gcd(n_streams, world)
+    if share == 1:
+        return None
+    return (
+        f"data: {world} ranks read data.num_streams={n_streams} streams, so each rank tokenizes "
+        f"{share}x the blocks it trains on; data.num_streams={_multiple(n_streams, world)} "
+        "reads each record once (for a new run: a resume keeps the checkpoint's)"
+    )
+
+
+def _multiple(n_streams: int, world: int) -> int:
+    """The smallest multiple of the world size at least n_streams."""
+    return -(-n_streams // world) * world
 
 
 class BatchStream:
@@ -296,9 +342,9 @@ class BatchStream:
         self.synthetic = isinstance(blocks, SyntheticBlocks)
         self._prefetch: Prefetcher | None = None
         if not self.synthetic:
-            S = blocks.spec.n_streams
-            check_streams(S, world_size)
-            self.owned = list(range(rank, S, world_size))
+            self.owned = read_streams(blocks.spec.n_streams, rank, world_size)
+            if rank == 0 and (note := sharing_note(blocks.spec.n_streams, world_size)):
+                log.info(note)
             self.states = {s: start_state() for s in self.owned}
 
     @property
@@ -314,6 +360,7 @@ class BatchStream:
             self.owned,
             self.states,
             k=self.consumed + (self.rank - self.consumed) % self.world,
+            rank=self.rank,
             world=self.world,
             micro=self.micro,
             accum=self.accum,
@@ -362,7 +409,12 @@ class BatchStream:
         state = {"consumed": self.consumed, "seq_len": self.blocks.seq_len}
         if self.synthetic:
             return state
-        mine = {str(s): st for s, st in self.states.items()}
+        S = self.blocks.spec.n_streams
+        mine = {
+            str(s): st
+            for s, st in self.states.items()
+            if holder(s, self.consumed, S, self.world) == self.rank
+        }
         skipped = dict(self.skipped)
         import torch.distributed as dist
 
@@ -399,10 +451,13 @@ class BatchStream:
                 raise DataError(
                     f"the checkpoint's data is cut into {state['n_streams']} streams, this run "
                     f"into data.num_streams={S}; resume with data.num_streams="
-                    f"{state['n_streams']} (and a world size that divides it)"
+                    f"{state['n_streams']}"
                 )
+            consumed = int(state["consumed"])
             for s in self.owned:
-                self.states[s] = state["streams"][str(s)]
+                # its next block, whichever rank saved it (states saved before "j" existed too)
+                j = blocks_before(s, consumed, S)
+                self.states[s] = {**state["streams"][str(s)], "j": j}
             self.close()  # what was read ahead belongs to the old position
         self.consumed = int(state["consumed"])
 

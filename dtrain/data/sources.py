@@ -197,6 +197,8 @@ def check_source(spec: SourceSpec, probe: int = 64) -> None:
                             f"data file '{f}' has no field '{spec.text_field}' (data.text_field);"
                             f" its fields: {', '.join(names)}"
                         )
+                elif spec.builder == "json":
+                    _check_json_field(f, spec.text_field)
                 else:
                     with open(f, "rb") as fh:
                         fh.read(1)
@@ -226,6 +228,24 @@ def check_source(spec: SourceSpec, probe: int = 64) -> None:
         raise DataError(
             f"the first {len(rows)} records of {_describe(spec)} have no text in "
             f"'{spec.text_field}' (all empty or not strings)"
+        )
+
+
+def _check_json_field(path: str, field: str) -> None:
+    """The first record of a jsonl file has the text field: files of a glob are read as one
+    table, where a file without it is a schema error deep in the read, not a named file."""
+    import json
+
+    with open(path, "rb") as fh:
+        first = fh.readline(1 << 20).strip()
+    try:
+        rec = json.loads(first)
+    except ValueError:
+        return  # a .json array or a broken line: the probe below reports what it finds
+    if isinstance(rec, dict) and field not in rec:
+        raise DataError(
+            f"data file '{path}' has no field '{field}' (data.text_field); its fields: "
+            + ", ".join(rec)
         )
 
 

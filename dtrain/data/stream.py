@@ -9,9 +9,10 @@ seq_len: every token is an input exactly once, nothing is padded. At the end of 
 the stream starts the next epoch (a new permutation) and packing carries on across the seam.
 
 The position after a block is small and exact: the source's own `state_dict()` at the start of
-the current window, the window's index, and (record in window, token in record) of the block's
-last token, which is the next block's first. Resuming re-reads at most one window of records
-(without tokenizing them) and one document, never the stream from its start.
+the current window, the window's index, (record in window, token in record) of the block's
+last token, which is the next block's first, and the count of blocks the stream has made.
+Resuming re-reads at most one window of records (without tokenizing them) and one document,
+never the stream from its start.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def is_heldout(text: str, fraction: float) -> bool:
 
 
 def start_state() -> dict:
-    return {"epoch": 0, "win": None, "w": 0, "i": 0, "off": 0}
+    # j: the index in this stream of its next block (ranks that share a stream keep every n-th)
+    return {"epoch": 0, "win": None, "w": 0, "i": 0, "off": 0, "j": 0}
 
 
 def classify(text) -> str | None:
@@ -75,7 +77,7 @@ def stream_blocks(spec: StreamSpec, stream: int, state: dict) -> Iterator[tuple[
     block) forever, starting at `state`. Raises DataError when a whole epoch holds no token."""
     field, T, eot = spec.source.text_field, spec.seq_len, spec.tokenizer.eot_id
     epoch, win_state, w = state["epoch"], state["win"], state["w"]
-    i0, off0 = state["i"], state["off"]
+    i0, off0, j = state["i"], state["off"], state.get("j", 0)
     buf: list[int] = []
     skips = dict.fromkeys(SKIP_KINDS, 0)
     while True:
@@ -115,7 +117,10 @@ def stream_blocks(spec: StreamSpec, stream: int, state: dict) -> Iterator[tuple[
                     off += take
                     if len(buf) == T + 1:
                         # The block's last token opens the next block: (i, off - 1).
-                        pos = {"epoch": epoch, "win": win_state, "w": w, "i": i, "off": off - 1}
+                        j += 1
+                        pos = {
+                            "epoch": epoch, "win": win_state, "w": w, "i": i, "off": off - 1, "j": j
+                        }  # fmt: skip
                         yield buf, pos, skips
                         skips = dict.fromkeys(SKIP_KINDS, 0)
                         buf = buf[-1:]
@@ -123,6 +128,7 @@ def stream_blocks(spec: StreamSpec, stream: int, state: dict) -> Iterator[tuple[
         if fresh and epoch_tokens == 0:  # would loop over empty epochs forever
             raise DataError(
                 f"data stream {stream} of {spec.n_streams} has no tokens in epoch {epoch}: "
-                "fewer usable documents than data.num_streams, or all of them empty/held out"
+                "fewer usable documents than data.num_streams (lower it), or all of them "
+                "empty/held out"
             )
         epoch, win_state, w, i0, off0 = epoch + 1, None, 0, 0, 0
