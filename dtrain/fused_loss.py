@@ -58,7 +58,7 @@ def chunk_loss_and_grads(
     safe_t = torch.where(valid, t, 0)[:, None]
     loss_sum = ((lse - logits.gather(1, safe_t).squeeze(1)) * valid).sum()
     # d loss / d logits = (softmax - one_hot(t)) / N, zero on ignored tokens; in place, so that
-    # eagerly one fp32 chunk is alive (compiled, Inductor fuses these passes into one kernel)
+    # eagerly one fp32 chunk is alive (compiled, Inductor may fuse these passes into one)
     grad = logits.sub_(lse[:, None]).exp_()
     grad.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=grad.dtype))
     grad = grad.mul_((valid * scale)[:, None]).to(x.dtype)

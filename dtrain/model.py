@@ -45,7 +45,7 @@ class ModelConfig:
     init_from: str | None = None  # e.g. "hf:DIR" (see dtrain.cli.export)
     # The head and its loss: "fused" never makes the full logits (dtrain/fused_loss.py),
     # "plain" does, "auto" fuses on CUDA in bf16 (fused_loss_active).
-    loss_kernel: LossKernel = "auto"
+    loss_kernel: LossKernel = "plain"
     loss_chunk_tokens: int | None = None  # tokens per chunk of the fused loss; None: from vocab
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ F.cross_entropy over the full logits: loss and gradients, in the model, compiled
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -279,19 +280,33 @@ def test_training_fused_matches_plain_single(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_fused_under_fsdp_matches_single(tmp_path):
-    """Two ranks, the head's weight a shard that FSDP gathers before the head module runs."""
-    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "fsdp",
+        "ddp",
+        pytest.param(
+            "zero3",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+            ),
+        ),
+    ],
+)
+def test_training_fused_on_two_ranks_matches_single(tmp_path, strategy):
+    """Two ranks; under fsdp and zero3 the head's weight is a shard that the wrapper gathers
+    before the head module runs (LMHead takes the targets for that reason)."""
+    single, multi = tmp_path / "single", tmp_path / strategy
     train(single, *STEPS, "model.loss_kernel=plain", "trainer.micro_batch_size=8")
     res = launch(
         *FAST,
         *STEPS,
-        "strategy=fsdp",
+        f"strategy={strategy}",
         "model.loss_kernel=fused",
         "model.loss_chunk_tokens=100",
         "trainer.micro_batch_size=4",
-        f"hydra.run.dir={fsdp}",
+        f"hydra.run.dir={multi}",
         nproc=2,
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    assert_same_losses(train_losses(single), train_losses(fsdp))
+    assert_same_losses(train_losses(single), train_losses(multi))
