@@ -29,7 +29,7 @@ for the one before), which is the only overlap a self-chained accumulator allows
 
 Tiles (a consumer's BLOCK_M x BLOCK_N, BLOCK_K, stages) are timed on a shape's first call and
 the fastest kept for it (`_tuned`), as Triton's autotuner does for the Triton kernels.
-DTRAIN_INT8_GEMM=gluon chooses this kernel (dtrain/lowp/switches.py); compiled for sm_90a on CPU
+precision.int8_gemm=gluon chooses this kernel; compiled for sm_90a on CPU
 in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): warp-specialized,
 int8 wgmma on TMA stages, nothing spilled.
 """
@@ -255,8 +255,8 @@ def applies(a, b, a_scale, b_scale, out_dtype) -> bool:
     none) with Gluon for it, operands TMA reads, both scales (training's forward and
     grad-input GEMMs; the unscaled integer product takes the Triton kernels), a float output of
     under 2**31 values (the epilogue's 32-bit offsets)."""
+    from dtrain.lowp.gluon_support import has_gluon_hopper
     from dtrain.lowp.int8_triton import _tma_ok
-    from dtrain.lowp.switches import has_gluon_hopper
 
     return (
         a_scale is not None

@@ -39,7 +39,7 @@ promotion is bound by issuing instructions, not by its latency or cvt's rate. Co
 sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas
 chained four to a wait in each consumer, nothing spilled. It runs wherever it applies
 (int8_grouped_triton.gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
-Hopper), unless DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
+Hopper), unless precision.int8_grouped_gemm=triton.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dtrain.lowp.gluon_support import has_gluon_hopper
 from dtrain.lowp.int8_grouped import GROUP, group_count
 from dtrain.lowp.int8_triton import (
     INTERPRET,
@@ -55,12 +56,6 @@ from dtrain.lowp.int8_triton import (
     tile_grid,
     tile_pointers,
     tma_operands,
-)
-from dtrain.lowp.switches import (
-    GROUPED_GEMM_CHOICES,
-    GROUPED_GEMM_ENV,
-    env_choice,
-    has_gluon_hopper,
 )
 
 # The kernels index the scales by K step: each step must be one group.
@@ -161,7 +156,7 @@ _tuned = triton.autotune(
 # As int8_triton's TMA GEMM: one program per SM walks the output tiles in grouped order, the
 # operand tiles come in through Hopper's tensor memory accelerator (zeros past the edges, so a
 # short last group needs no mask). Taken where int8_triton's is (`_takes_tma`: a large problem,
-# operands TMA can read, DTRAIN_INT8_GEMM=tma); the pointer kernel above everywhere else.
+# operands TMA can read, precision.int8_gemm=tma); the pointer kernel above everywhere else.
 _TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TILES]
 
 
@@ -356,9 +351,8 @@ def _(g, token_scale):
 
 # Which kernel runs the grouped GEMM on Hopper: the Gluon one (dtrain/lowp/int8_grouped_gluon.py)
 # where this Triton has Gluon for Hopper ("auto", the default) or always ("gluon"), or the Triton
-# ones above ("triton"): DTRAIN_INT8_GROUPED_GEMM, checked at launch (dtrain/lowp/switches.py),
-# read when this module loads.
-GROUPED_GEMM = env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES)
+# ones above ("triton"): precision.int8_grouped_gemm, set where the layers are swapped.
+GROUPED_GEMM = "auto"
 
 
 def gluon_applies(a, b) -> bool:
@@ -367,9 +361,15 @@ def gluon_applies(a, b) -> bool:
     return a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and _tma_ok(a, b)
 
 
+def configure(choice: str) -> None:
+    """The run's precision.int8_grouped_gemm, for int8_mm_grouped to read."""
+    global GROUPED_GEMM
+    GROUPED_GEMM = choice
+
+
 @contextlib.contextmanager
 def grouped_gemm(choice: str):
-    """int8_mm_grouped on `choice` (one of GROUPED_GEMM_CHOICES) inside the block: for the
+    """int8_mm_grouped on `choice` (auto, gluon or triton) inside the block: for the
     benchmark's columns and the GPU check, which time or test each kernel through it."""
     global GROUPED_GEMM
     before, GROUPED_GEMM = GROUPED_GEMM, choice

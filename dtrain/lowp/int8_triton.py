@@ -14,7 +14,8 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
         the result is bitwise equal to the eager path), without the int32 product ever
         reaching memory. out_dtype=int32 without scales returns the integer product itself.
         Two kernels compute it: a persistent one with TMA loads (large problems on a GPU whose
-        operands have 16-byte-aligned rows; GEMM_ENV) and one with pointer loads (the rest).
+        operands have 16-byte-aligned rows; precision.int8_gemm) and one with pointer loads (the
+        rest).
     quantize_rowwise(x, col_scale)
         x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
@@ -49,14 +50,6 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
-
-from dtrain.lowp.switches import (
-    GEMM_ENV,
-    GEMM_VARIANTS,
-    QUANTIZE_TILE_CHOICES,
-    QUANTIZE_TILE_ENV,
-    env_choice,
-)
 
 try:  # Triton >= 3.0 dispatches libdevice per backend here
     from triton.language.extra import libdevice
@@ -98,16 +91,9 @@ _GROUP_M = 8
 # applies: Hopper, both scales, operands TMA reads; "tma" elsewhere) or "fastest" (per
 # problem the faster of "gluon" and "tma", timed once where the Gluon kernel applies: the Gluon
 # kernel was 1.09-1.17x the TMA one at K >= 5632 and 0.83-0.86x at K = 2048 on an H200,
-# bench/results/2026-12-03-gpu-s36/; both write the same bits). GEMM_ENV sets it (A/B
-# runs; its choices are in dtrain/lowp/switches.py, which checks it at launch without importing
-# Triton); a bad value is a ConfigError when this module loads.
-
-
-def gemm_variant() -> str:
-    return env_choice(GEMM_ENV, GEMM_VARIANTS)
-
-
-GEMM = gemm_variant()
+# bench/results/2026-12-03-gpu-s36/; both write the same bits). precision.int8_gemm sets it
+# (configure), once, where the layers are swapped: the ops take tensors only.
+GEMM = "tma"
 
 
 def gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
@@ -475,7 +461,7 @@ def _tma_ok(a, b) -> bool:
 
 def _has_tma(device: torch.device) -> bool:
     """Compute capability 9.0+ (Hopper): the GPUs with a tensor memory accelerator. The Triton
-    kernels can be forced onto older GPUs (DTRAIN_INT8_KERNEL=triton), where only the pointer
+    kernels can be forced onto older GPUs (precision.int8_kernel=triton), where only the pointer
     kernel compiles."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -849,15 +835,21 @@ QUANTIZE_TILES = [
 _quantize_rowwise_tuned = tuned_rows(
     _quantize_rowwise_kernel, row_tile_configs(QUANTIZE_TILES), ["R", "C", "HAS_COL_SCALE"]
 )
-# QUANTIZE_TILE_ENV=sweeps keeps the op on two sweeps of quantize_blocks' fixed tile (A/B runs).
-QUANTIZE_TILE = env_choice(QUANTIZE_TILE_ENV, QUANTIZE_TILE_CHOICES)
+# precision.int8_quantize_tiles=sweeps keeps the op on two sweeps of quantize_blocks' fixed tile.
+QUANTIZE_TILE = "tuned"
+
+
+def configure(*, gemm: str, quantize_tiles: str) -> None:
+    """The run's precision.int8_gemm and int8_quantize_tiles, for the ops to read."""
+    global GEMM, QUANTIZE_TILE
+    GEMM, QUANTIZE_TILE = gemm, quantize_tiles
 
 
 def quantize_rows(x, col_scale=None, *, one_pass: bool | None = None):
     """quantize_rowwise's computation. On a GPU, rows contiguous in memory are autotuned among
     QUANTIZE_TILES; `one_pass` (True or False) forces one pass or two sweeps with a fixed tile
-    (tests and benchmarks), as QUANTIZE_TILE_ENV=sweeps does for the sweeps; transposed views
-    and the interpreter take a fixed tile too (launch_rows)."""
+    (tests and benchmarks), as precision.int8_quantize_tiles=sweeps does for the sweeps;
+    transposed views and the interpreter take a fixed tile too (launch_rows)."""
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_rowwise takes a 2-d float tensor, got {x.dtype} {x.shape}")
     r, c = x.shape
