@@ -78,7 +78,7 @@ TMA_SHAPES = [(33, 70, 80), (1, 1, 16), (257, 129, 64), (17, 8, 304), (100, 33, 
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
 def test_tma_gemm_equals_the_exact_product(m, n, k):
     a, b, sa, sb = _operands(m, n, k)
-    assert it._tma_ok(a, b)
+    assert it.tma_ok(a, b)
     out = torch.empty(m, n, dtype=torch.int32)
     it._launch_int8_mm_tma(a, b, out, None, None, config=(32, 32, 32, 4, 1))
     assert torch.equal(out, _exact(a, b))
@@ -89,9 +89,9 @@ def test_tma_gemm_equals_the_exact_product(m, n, k):
 
 def test_tma_needs_16_byte_rows():
     a, b, _, _ = _operands(33, 70, 100)  # K = 100: rows of 100 bytes
-    assert not it._tma_ok(a, b)
+    assert not it.tma_ok(a, b)
     a, b, _, _ = _operands(33, 70, 80)
-    assert not it._tma_ok(a, b.contiguous())  # b row-major: not K-major
+    assert not it.tma_ok(a, b.contiguous())  # b row-major: not K-major
 
 
 def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
@@ -101,7 +101,7 @@ def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert it._has_tma(torch.device("cuda", 0)) is want, cap
     a, b, _, _ = _operands(64, 64, 64)
-    assert not it._takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
+    assert not it.takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
 
 
 def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
@@ -457,7 +457,7 @@ def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_on
     monkeypatch.setattr(it, "_launch_int8_mm_tma", fake_tma)
     monkeypatch.setattr(it, "median_ms", median_ms)
     monkeypatch.setattr(it, "_takes_gluon", lambda *args: True)  # as on Hopper
-    monkeypatch.setattr(it, "_takes_tma", lambda *args: True)
+    monkeypatch.setattr(it, "takes_tma", lambda *args: True)
     monkeypatch.setattr(it, "_GLUON_FASTER", {})
     monkeypatch.setattr(it, "GEMM", "fastest")
     for k, faster in ((2048, "gluon"), (512, "tma")):

@@ -270,7 +270,9 @@ def test_long_reductions_are_chunked_without_int32_overflow(monkeypatch):
     a = torch.full((4, 96), 127, dtype=torch.int8)
     b = torch.full((8, 96), 127, dtype=torch.int8).t()
     exact = a.double() @ b.double()
-    monkeypatch.setattr(i8, "MAX_REDUCTION", 32)
+    from dtrain.lowp import int8_quant
+
+    monkeypatch.setattr(int8_quant, "MAX_REDUCTION", 32)
     assert torch.equal(i8.int_mm(a, b).double(), exact)
 
 

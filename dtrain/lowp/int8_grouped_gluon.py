@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dtrain.lowp.int8_gemm_gluon import k_major_descriptors
-from dtrain.lowp.int8_grouped import GROUP
+from dtrain.lowp.int8_quant import GROUP
 
 # Gluon is experimental and renames: Triton 3.6 has tma.async_copy_global_to_shared, Triton 3.9
 # async_load (where the old name raises).
@@ -209,7 +209,7 @@ def _int8_mm_grouped_kernel(
     gl.static_assert(BLOCK_M == _CONSUMERS * _ROWS, "64 rows a consumer")
     gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
 
-    # the output tile, grouped in GROUP_M rows of tiles (int8_triton._grouped_tile's order)
+    # the output tile, grouped in GROUP_M rows of tiles (int8_triton.grouped_tile's order)
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)

@@ -104,7 +104,7 @@ def test_every_tma_config_is_exact(it, i):
     config = it._TMA_TILES[i]
     for m, n, k in [(2048 + 64, 1024 + 48, 1024), (1000, 520, 1040)]:
         a, b, sa, sb = _operands(m, n, k)
-        assert it._tma_ok(a, b)
+        assert it.tma_ok(a, b)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         it._launch_int8_mm_tma(a, b, out, sa.reshape(-1), sb.reshape(-1), config=config)
         assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (config, m, n, k)
@@ -344,7 +344,7 @@ def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k, choice):
         assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
         assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
     if n * m * k >= 2**30 and torch.cuda.get_device_capability() >= (9, 0) and it.GEMM == "tma":
-        assert it._takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
+        assert it.takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
 
 
 def test_every_grouped_tile_autotuning_may_choose_is_exact():

@@ -47,7 +47,7 @@ def _triton_swiglu():
 
 def _fused(t: torch.Tensor, kernel: str) -> bool:
     """Whether the Triton kernels run `t`'s gate (else eager torch ops)."""
-    return kernel == "triton" and i8._triton_applies(t)
+    return kernel == "triton" and i8.triton_applies(t)
 
 
 def _swiglu_quantize(a, b, kernel: str, apart: bool):
