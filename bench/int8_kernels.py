@@ -224,7 +224,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
 
                 tri = partial(it.int8_mm, a, b, sa, sb, torch.bfloat16)
                 res["triton_ms"] = _try(_first_then_time, ms, tri)
-                if it._tma_ok(a, b):  # the persistent TMA kernel (precision.int8_gemm=tma)
+                if it.tma_ok(a, b):  # the persistent TMA kernel (precision.int8_gemm=tma)
                     c = torch.empty(m, n, dtype=torch.bfloat16, device=device)
                     sa1, sb1 = sa.reshape(-1), sb.reshape(-1).contiguous()
                     tma = partial(it._launch_int8_mm_tma, a, b, c, sa1, sb1)
