@@ -202,7 +202,7 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
     return out.to(out_dtype)
 
 
-# --- the matmuls of a layer, shared with dtrain/lowp/int8_swiglu.py -----------------------------
+# --- the matmuls of a layer, shared with dtrain/lowp/experimental/int8_swiglu.py ----------------
 
 
 def mm_forward(xq, xs, weight, out_dtype, kernel: str, apart: bool) -> torch.Tensor:
