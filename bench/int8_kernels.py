@@ -15,24 +15,24 @@ per matmul and end to end, every ratio against the bf16 of the same call.
      _int_mm     torch._int_mm + the eager dequantizing multiply (int8.scaled_int_mm)
      triton      dtrain's Triton int8 GEMM, dequantization fused, bf16 out (autotuned first)
      triton TMA  its persistent TMA kernel; for grad-input also with an fp32 output, what
-                 q, k, v, w1 and w3 write for their fp32 inputs (DTRAIN_INT8_GRAD_INPUT=input)
-     Gluon       on Hopper, the warp-specialized Gluon GEMM (DTRAIN_INT8_GEMM=gluon), bf16
+                 q, k, v, w1 and w3 wrote for their fp32 inputs before bf16 won
+     Gluon       on Hopper, the warp-specialized Gluon GEMM (precision.int8_gemm=gluon), bf16
                  out, its tile tuned first; the table marks a result that is not the TMA
                  kernel's bits
      grouped     for grad-weight, precision.int8_grad_weight=int8_grouped's GEMM (scales per
                  row per 128 tokens, fp32 out): the Triton kernels, and on Hopper the Gluon one
-                 (DTRAIN_INT8_GROUPED_GEMM=gluon), its faster tile
+                 (precision.int8_grouped_gemm=gluon), its faster tile
    and one int8 linear's forward + backward, eagerly, per 1b layer shape (bf16 F.linear,
    int8 on torch._int_mm, int8 on Triton); and the row-wise quantize of activations,
    gradients, weights and transposed weights: eager, torch.compile'd, the Triton op
    (autotuned), and its two ways, one pass and two sweeps, each with a fixed tile; and
-   the SwiGLU gate of each model's FFN with its quantizes (DTRAIN_INT8_SWIGLU), forward and
+   the SwiGLU gate of each model's FFN with its quantizes (precision.int8_swiglu), forward and
    backward: bf16 alone (eager, compiled), compiled with the quantizes (what Inductor fuses
    for the three Int8Linear layers) and dtrain's Triton kernels, one pass and two sweeps.
 2. End to end: launch/train.py with model=1b, one GPU, seq 2048, micro-batch 8, synthetic
    tokens, 40 steps (bench/common.sh's settings; tokens/s is the median of the 10-step
    intervals after the first, which holds compilation): precision=bf16, precision=int8 with
-   DTRAIN_INT8_KERNEL=triton, and with DTRAIN_INT8_KERNEL=torch; tokens/s, MFU, peak reserved
+   precision.int8_kernel=triton, and with precision.int8_kernel=torch; tokens/s, MFU, peak reserved
    and allocated memory (bench/dtrain_result.py).
 
 Writes OUT/int8_kernels.json (everything, with the device, versions and the configs autotuning
@@ -96,7 +96,7 @@ SMOKE_COMMON = [
     "optim.warmup_steps=1",
     "trainer.device=cpu",
 ]
-# name -> (precision, DTRAIN_INT8_KERNEL, more overrides)
+# name -> (precision, precision.int8_kernel, more overrides)
 E2E_RUNS = {
     "bf16": ("bf16", "", []),
     "int8_triton": ("int8", "triton", []),
@@ -224,14 +224,14 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
 
                 tri = partial(it.int8_mm, a, b, sa, sb, torch.bfloat16)
                 res["triton_ms"] = _try(_first_then_time, ms, tri)
-                if it._tma_ok(a, b):  # the persistent TMA kernel (DTRAIN_INT8_GEMM=tma)
+                if it.tma_ok(a, b):  # the persistent TMA kernel (precision.int8_gemm=tma)
                     c = torch.empty(m, n, dtype=torch.bfloat16, device=device)
                     sa1, sb1 = sa.reshape(-1), sb.reshape(-1).contiguous()
                     tma = partial(it._launch_int8_mm_tma, a, b, c, sa1, sb1)
                     res["triton_tma_ms"] = _try(_first_then_time, ms, tma)
                     res.update(_gluon_gemm(ms, a, b, sa1, sb1, c))
                     if case["role"] == "grad_input":  # q, k, v, w1, w3 take fp32 inputs:
-                        # their grad-input GEMM writes fp32 (DTRAIN_INT8_GRAD_INPUT=input)
+                        # their grad-input GEMM wrote fp32 before bf16 won
                         c32 = torch.empty(m, n, dtype=torch.float32, device=device)
                         tma32 = partial(it._launch_int8_mm_tma, a, b, c32, sa1, sb1)
                         res["triton_tma_f32_ms"] = _try(_first_then_time, ms, tma32)
@@ -262,12 +262,12 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
 
 
 def _gluon_gemm(ms, a, b, sa, sb, tma_out) -> dict:
-    """The warp-specialized Gluon GEMM (DTRAIN_INT8_GEMM=gluon), its tile tuned on the first
+    """The warp-specialized Gluon GEMM (precision.int8_gemm=gluon), its tile tuned on the first
     call, where it applies (Hopper): its time, the tile, and whether it wrote the TMA kernel's
     bits (`tma_out`, just computed); {} elsewhere."""
     import torch
 
-    from dtrain.lowp.switches import has_gluon_hopper
+    from dtrain.lowp.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         return {}
@@ -289,7 +289,7 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
     import torch
 
     from dtrain.lowp import int8_grouped_triton as igt
-    from dtrain.lowp.switches import has_gluon_hopper
+    from dtrain.lowp.gluon_support import has_gluon_hopper
 
     if not (has_gluon_hopper() and igt.gluon_applies(a, b)):  # the dispatch's own test
         return {}
@@ -452,7 +452,7 @@ def bench_gate(models, device, with_triton: bool) -> list[dict]:
         },
     }
     if with_triton:
-        from dtrain.lowp import int8_swiglu_triton as swt
+        from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
         for one_pass, name in (
             (None, "triton_tuned"),
@@ -513,8 +513,8 @@ def part_micro(args) -> dict:
             res["gate"] = bench_gate(models, device, with_triton)
     if with_triton:
         from dtrain.lowp import int8_grouped_triton as igt
-        from dtrain.lowp import int8_swiglu_triton as swt
         from dtrain.lowp import int8_triton as it
+        from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
         res["autotuned"] = {
             **it.tuned_configs(),
@@ -538,15 +538,13 @@ def run_e2e(name: str, args, out_dir: Path) -> dict:
         f"trainer.max_steps={steps}",
         f"trainer.log_every={2 if args.smoke else 10}",
         f"precision={precision}",
+        *([f"precision.int8_kernel={kernel}"] if kernel else []),
         *extra,
         f"hydra.run.dir={run_dir}",
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("DTRAIN_INT8_KERNEL", None)
-    if kernel:
-        env["DTRAIN_INT8_KERNEL"] = kernel
-    log(f"e2e {name}: precision={precision} DTRAIN_INT8_KERNEL={kernel or '(unset)'}")
+    log(f"e2e {name}: precision={precision} precision.int8_kernel={kernel or '(default)'}")
     t0 = time.perf_counter()
     log_path = out_dir / f"e2e_{name}.log"
     with open(log_path, "w") as f:
@@ -561,7 +559,7 @@ def run_e2e(name: str, args, out_dir: Path) -> dict:
     res = {
         "run": name,
         "precision": precision,
-        "DTRAIN_INT8_KERNEL": kernel or None,
+        "int8_kernel": kernel or None,
         "command": " ".join(cmd[1:]),
         "returncode": rc,
         "wall_s": round(time.perf_counter() - t0, 1),

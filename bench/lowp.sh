@@ -17,8 +17,8 @@
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
-# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart, fp8fused,
-# fp8wide, fp8cf, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8bwapart, int8gapart, int8qfused, int8qsweeps, int8gic, int8gin, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
+# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart,
+# fp8wide, fp8cf, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8gapart, int8qfused, int8qsweeps, int8gic, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
 # PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
@@ -34,29 +34,44 @@ fsdp8b() {  # $1 = result name, then overrides
 }
 # A precision name -> its overrides: int8gw8 is int8 with all three matmuls int8 (grad-weight too);
 # int8gwg the same with grad-weight's output gradients scaled per 128 tokens (int8_grouped) on
-# the Triton GEMMs, int8gwgg on the Gluon one (DTRAIN_INT8_GROUPED_GEMM=triton / gluon, by ggenv;
-# the default, auto, is the Gluon one on Hopper);
-# fp8fused is fp8 with its weight-gradient transposes left to Inductor's fusion (the A/B of
-# dtrain/lowp/fp8_layout.py), set through the environment by fp8env; int8apart is int8 with
-# every quantize a kernel of its own under compile (DTRAIN_INT8_QUANTIZE=apart, by int8env);
-# fp8wide is fp8 with fsdp's weights gathered in bf16 (precision.fp8_all_gather=false);
+# the Triton GEMMs, int8gwgg on the Gluon one (precision.int8_grouped_gemm=triton / gluon; the
+# default, auto, is the Gluon one on Hopper); int8apart is int8 with every quantize a kernel of
+# its own under compile (precision.int8_quantize=apart), int8qfused with every quantize fused
+# into its producer (=fused), int8gapart and int8gic name the defaults (=gradients; grad-input
+# in the compute dtype); fp8wide is fp8 with fsdp's weights gathered in bf16
+# (precision.fp8_all_gather=false);
 # fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward,
 # fp8acc fast accumulation in the backward alone; fp8gi fast accumulation in the grad-input GEMM
 # only, fp8headgi that with the head in fp8; int8o8 and fp8o8 are int8 and fp8 with AdamW's
 # moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit.py), fp8o8gi fp8o8 with
-# fast accumulation in the grad-input GEMM. Since the thirty-seventh session precision=fp8 scales
-# with delayed amaxes where parameters are whole (fp8_scaling=auto: single1b, slice8b, so fp8 and
-# its variants there are delayed ones) and dynamically under fsdp; fp8dyn names dynamic scales.
-# Since the fortieth session fp8_fast_accum=grad_input is fp8's default, so fp8 and every fp8
-# variant that does not name fast accumulation (fp8gi and fp8headgi too) accumulate fast in the
-# grad-input GEMM; fp8fwd names torchao's recipe (forward only), the default before.
-# Since the forty-second session delayed scaling's first step (dynamic scales) runs eagerly
-# where the model compiles; fp8cf compiles it too (DTRAIN_FP8_FIRST_STEP=compiled, by firstenv),
-# as before. FRESH_CACHE=1 (bench/common.sh) gives each run empty compile caches: the A/B of
-# start-up times.
-prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int8" ;;
-  int8gwg|int8gwgg) echo "precision=int8 precision.int8_grad_weight=int8_grouped" ;;
-  fp8fused|fp8cf) echo "precision=fp8" ;;
+# fast accumulation in the grad-input GEMM. precision=fp8 scales with delayed amaxes where
+# parameters are whole (fp8_scaling=auto: single1b, slice8b, so fp8 and its variants there are
+# delayed ones) and dynamically under fsdp; fp8dyn names dynamic scales. fp8_fast_accum=
+# grad_input is fp8's default, so fp8 and every fp8 variant that does not name fast accumulation
+# accumulate fast in the grad-input GEMM; fp8fwd names torchao's recipe (forward only).
+# Delayed scaling's first step (dynamic scales) runs eagerly where the model compiles; fp8cf
+# compiles it too (precision.fp8_first_step=compiled). FRESH_CACHE=1 (bench/common.sh) gives
+# each run empty compile caches: the A/B of start-up times.
+# int8ptr: int8 with the pointer-load GEMM (precision.int8_gemm=pointer) instead of the
+# persistent TMA one (the default; int8tma names it); int8gluon with the warp-specialized Gluon
+# GEMM (=gluon) for the scaled forward and grad-input GEMMs; int8fastest with the faster of the
+# two per shape (=fastest). int8swiglu (and int8all): each SwiGLU as one function, its gate's
+# product and backward each one Triton kernel with their quantizes (precision.int8_swiglu=fused).
+# int8qsweeps: the quantize op on two sweeps of a fixed tile (precision.int8_quantize_tiles=
+# sweeps), not autotuned with one pass.
+I8=precision=int8
+prec() { case $1 in int8gw8) echo "$I8 precision.int8_grad_weight=int8" ;;
+  int8gwg) echo "$I8 precision.int8_grad_weight=int8_grouped precision.int8_grouped_gemm=triton" ;;
+  int8gwgg) echo "$I8 precision.int8_grad_weight=int8_grouped precision.int8_grouped_gemm=gluon" ;;
+  int8apart) echo "$I8 precision.int8_quantize=apart" ;;
+  int8qfused) echo "$I8 precision.int8_quantize=fused" ;;
+  int8gapart|int8gic|int8mk|int8tma) echo "$I8" ;;
+  int8qsweeps) echo "$I8 precision.int8_quantize_tiles=sweeps" ;;
+  int8ptr) echo "$I8 precision.int8_gemm=pointer" ;;
+  int8gluon) echo "$I8 precision.int8_gemm=gluon" ;;
+  int8fastest) echo "$I8 precision.int8_gemm=fastest" ;;
+  int8swiglu|int8all) echo "$I8 precision.int8_swiglu=fused" ;;
+  fp8cf) echo "precision=fp8 precision.fp8_first_step=compiled" ;;
   fp8wide) echo "precision=fp8 precision.fp8_all_gather=false" ;;
   fp8head) echo "precision=fp8 precision.fp8_lm_head=true" ;;
   fp8fast) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=all" ;;
@@ -64,9 +79,8 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8gi) echo "precision=fp8 precision.fp8_fast_accum=grad_input" ;;
   fp8fwd) echo "precision=fp8 precision.fp8_fast_accum=forward" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
-  int8apart|int8bwapart|int8gapart|int8qfused|int8qsweeps|int8mk|int8tma|int8ptr|int8gluon|int8fastest|int8gic|int8gin|int8swiglu|int8all) echo "precision=int8" ;;
   bf16mk) echo "precision=bf16" ;;
-  int8o8) echo "precision=int8 precision.optimizer_8bit=true" ;;
+  int8o8) echo "$I8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
   fp8o8gi) echo "precision=fp8 precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;
   fp8d) echo "precision=fp8 precision.fp8_scaling=delayed" ;;
@@ -75,44 +89,13 @@ prec() { case $1 in int8gw8) echo "precision=int8 precision.int8_grad_weight=int
   fp8dheadgi) echo "precision=fp8 precision.fp8_scaling=delayed precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
   fp8do8gi) echo "precision=fp8 precision.fp8_scaling=delayed precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;
   *) echo "precision=$1" ;; esac; }
-fp8env() { case $1 in fp8fused) echo inductor ;; *) echo apart ;; esac; }
-# int8bwapart: only the backward's quantizes apart (DTRAIN_INT8_QUANTIZE=backward); int8gapart:
-# only the output gradients' (=gradients), the default since the twenty-eighth session, so the
-# same as int8 now; int8qfused: every quantize fused into its producer (=fused, the default before).
-int8env() { case $1 in int8apart) echo apart ;; int8bwapart) echo backward ;;
-  int8qfused) echo fused ;; *) echo gradients ;; esac; }
 # int8mk and bf16mk: Inductor's multi-kernel reductions (each row reduction compiled persistent
 # and looped, the faster chosen at run time; persistent up to 16x longer rows): the A/B of the
 # quantizes that turn pointwise producers into looped row reductions (rows of 2048 and 5632).
 mkenv() { case $1 in *mk) echo 1 ;; *) echo 0 ;; esac; }
-# int8ptr: int8 with the pointer-load GEMM (DTRAIN_INT8_GEMM=pointer) instead of the persistent
-# TMA one (the default since the twenty-fifth session; int8tma names it explicitly); int8gluon
-# with the warp-specialized Gluon GEMM (=gluon) for the scaled forward and grad-input GEMMs;
-# int8fastest with the faster of the two per shape (=fastest).
-gemmenv() {
-  case $1 in int8ptr) echo pointer ;; int8gluon) echo gluon ;; int8fastest) echo fastest ;; *) echo tma ;; esac
-}
-# int8gin: int8 with the grad-input GEMM writing the input's dtype (fp32) for the fp32 inputs of
-# q, k, v, w1 and w3 (DTRAIN_INT8_GRAD_INPUT=input), as every int8 run but int8gic and int8all
-# did before the twenty-seventh session. Since then the default, and so every other int8 run,
-# writes the compute dtype (bf16) and casts, as autocast's bf16 linear does; int8gic names it.
-gienv() { case $1 in int8gin) echo input ;; *) echo compute ;; esac; }
-# int8swiglu: int8 with each SwiGLU as one function, its gate's product and backward each one
-# Triton kernel with their quantizes (DTRAIN_INT8_SWIGLU=fused); int8all: the same now (it
-# added int8gic's compute-dtype grad-input before that became the default).
-swenv() { case $1 in int8swiglu|int8all) echo fused ;; *) echo linears ;; esac; }
-# int8qsweeps: int8 with the quantize op on two sweeps of a fixed tile, the only way before the
-# twenty-eighth session (DTRAIN_INT8_QUANTIZE_TILES=sweeps), not autotuned with one pass.
-qtenv() { case $1 in int8qsweeps) echo sweeps ;; *) echo tuned ;; esac; }
-ggenv() { case $1 in int8gwgg) echo gluon ;; *) echo triton ;; esac; }
-firstenv() { case $1 in fp8cf) echo compiled ;; *) echo eager ;; esac; }
-# Runs precision $1's benchmark function $2 (fsdp8b, single1b) with its environment.
+# Runs precision $1's benchmark function $2 (fsdp8b, single1b) with Inductor's setting for it.
 with_env() { local p=$1; shift
-  DTRAIN_FP8_TRANSPOSE=$(fp8env $p) DTRAIN_INT8_QUANTIZE=$(int8env $p) \
-    TORCHINDUCTOR_MULTI_KERNEL=$(mkenv $p) DTRAIN_INT8_GEMM=$(gemmenv $p) \
-    DTRAIN_INT8_GRAD_INPUT=$(gienv $p) DTRAIN_INT8_SWIGLU=$(swenv $p) \
-    DTRAIN_INT8_QUANTIZE_TILES=$(qtenv $p) DTRAIN_INT8_GROUPED_GEMM=$(ggenv $p) \
-    DTRAIN_FP8_FIRST_STEP=$(firstenv $p) "$@"; }
+  TORCHINDUCTOR_MULTI_KERNEL=$(mkenv $p) "$@"; }
 single1b() {
   local name=$1; shift
   dtrain_run "$name" 1 "$@"

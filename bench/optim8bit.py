@@ -1,7 +1,7 @@
 """The optimizer step alone, at a model's parameter shapes: fused AdamW, torchao's AdamW8bit
 (one compiled call per tensor) and dtrain's step of it (dtrain/lowp/optim8bit.py: grouped_8bit
-as training takes it, the Triton kernel on CUDA; grouped_8bit_compiled, every tensor in
-compiled groups), on plain tensors or, with --fsdp, on FSDP2's DTensors (fully_shard on one
+as training takes it, the Triton kernel on CUDA where it applies, else compiled groups), on
+plain tensors or, with --fsdp, on FSDP2's DTensors (fully_shard on one
 rank, each block and then the root, as strategy=fsdp shards them).
 
     python bench/optim8bit.py --model 1b --out $OUT/optim8bit.jsonl            # CUDA
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit", "grouped_8bit_compiled")
+VARIANTS = ("adamw_fused", "torchao_8bit", "grouped_8bit")
 
 
 def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
@@ -47,8 +47,7 @@ def build_optimizer(name: str, model: torch.nn.Module, compiled: bool):
         groups = param_groups(model, cfg.weight_decay)
         return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # grouped_8bit: dtrain's step as training takes it (the Triton kernel on CUDA where it
-    # applies); grouped_8bit_compiled: every tensor on the compiled path
-    os.environ["DTRAIN_OPTIM8BIT"] = "compiled" if name == "grouped_8bit_compiled" else "triton"
+    # applies)
     return build_adamw8bit(model, cfg, compiled=compiled)
 
 

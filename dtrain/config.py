@@ -31,6 +31,15 @@ Fp8Recipe = Literal["tensorwise", "rowwise"]
 # grad-input one too, or all three (the grad-weight one as well).
 Fp8FastAccum = Literal["forward", "grad_input", "all"]
 Fp8Scaling = Literal["auto", "dynamic", "delayed"]
+# precision=fp8 delayed scaling's first step where the model compiles: eager, or compiled too
+Fp8FirstStep = Literal["eager", "compiled"]
+# precision=int8's kernel choices (docs/precision.md, "int8"); each list's first is the default
+Int8Kernel = Literal["auto", "triton", "torch"]
+Int8Gemm = Literal["tma", "pointer", "gluon", "fastest"]
+Int8Quantize = Literal["gradients", "fused", "apart"]
+Int8QuantizeTiles = Literal["tuned", "sweeps"]
+Int8Swiglu = Literal["linears", "fused"]
+Int8GroupedGemm = Literal["auto", "gluon", "triton"]
 # When DeepCompile runs its ZeRO-3 passes (dtrain.strategies.deepspeed.DEEPCOMPILE_SCHEDULES)
 DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
@@ -137,8 +146,25 @@ class PrecisionConfig:
     # (dtrain.precision.resolve_fp8_scaling says why)
     fp8_scaling: Fp8Scaling = "auto"
     fp8_amax_history: int = 16
+    # precision=fp8, delayed scaling under compile: the dynamic first step eager (its graphs
+    # never compiled) or compiled like every later step (dtrain/lowp/fp8/delayed.py)
+    fp8_first_step: Fp8FirstStep = "eager"
     # precision=int8: grad_weight matmul in int8 | int8_grouped | bf16 (SwitchBack); None: default
     int8_grad_weight: str | None = None
+    # precision=int8's kernels: auto (Triton on Hopper, else torch._int_mm) or forced
+    int8_kernel: Int8Kernel = "auto"
+    # the Triton GEMM on large problems: the persistent TMA kernel, the pointer-load one, the
+    # warp-specialized Gluon one (Hopper, Triton 3.6+), or per shape the faster of Gluon and TMA
+    int8_gemm: Int8Gemm = "tma"
+    # where each quantize runs under compile: only the output gradients' as the Triton op
+    # (gradients), all fused into their producers by Inductor (fused), or all as the op (apart)
+    int8_quantize: Int8Quantize = "gradients"
+    # the row-wise quantize op's tile: autotuned per shape (tuned) or two fixed sweeps (sweeps)
+    int8_quantize_tiles: Int8QuantizeTiles = "tuned"
+    # each block's SwiGLU as three int8 linears or one function with fused quantizes
+    int8_swiglu: Int8Swiglu = "linears"
+    # int8_grad_weight=int8_grouped's GEMM on Hopper: Gluon where this Triton has it (auto)
+    int8_grouped_gemm: Int8GroupedGemm = "auto"
     # Gradient reduction (DDP all-reduce, FSDP reduce-scatter, DeepSpeed) in fp32 | bf16;
     # None: the precision's own (fp32 master gradients are reduced in fp32).
     reduce_dtype: str | None = None
@@ -727,7 +753,14 @@ PRECISION_OWN_KEYS = (
     "fp8_fast_accum",
     "fp8_scaling",
     "fp8_amax_history",
+    "fp8_first_step",
     "int8_grad_weight",
+    "int8_kernel",
+    "int8_gemm",
+    "int8_quantize",
+    "int8_quantize_tiles",
+    "int8_swiglu",
+    "int8_grouped_gemm",
 )
 
 

@@ -149,7 +149,7 @@ class FeedForward(nn.Module):
 
     same_input = ("w1", "w3")  # as Attention.same_input
     # The gate, up and down projections of w2(silu(w1 x) * w3 x), for code that runs the three
-    # as one (dtrain/lowp/int8_swiglu.py) without importing this module.
+    # as one (dtrain/lowp/experimental/int8_swiglu.py) without importing this module.
     swiglu = ("w1", "w3", "w2")
 
     def __init__(self, cfg: ModelConfig):

@@ -24,8 +24,9 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from dtrain.config import AUTO, PrecisionConfig
+from dtrain.config import AUTO, PrecisionConfig, check_choices
 from dtrain.errors import ConfigError
+from dtrain.lowp.options import INT8_KEYS, Int8Options
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Precision:
     # precision=int8 only: grad_weight matmul in "int8", "int8_grouped" (scales per 128 tokens)
     # or "bf16" (SwitchBack, from the saved int8 input); "" for every other precision.
     int8_grad_weight: str = ""
+    fp8_first_step: str = "eager"  # delayed scaling's first step under compile: eager, compiled
+    int8: Int8Options = Int8Options()  # precision=int8's kernel choices
     summary: str = ""
 
     @property
@@ -182,47 +185,12 @@ def build_precision(
         raise ConfigError(
             f"unknown precision '{cfg.name}'; valid choices: {', '.join(sorted(PRECISIONS))}"
         )
+    check_choices(cfg, "precision.")  # also where a PrecisionConfig is built in code
     p = PRECISIONS[cfg.name]
-    if not check_device:
-        device = torch.device("meta")  # none of the device checks below applies
-    if p.compute_dtype == torch.bfloat16 and device.type == "cuda":
-        if not torch.cuda.is_bf16_supported():
-            raise ConfigError(f"precision={cfg.name} needs a GPU with bf16 (Ampere or newer)")
-    if p.loss_scaling and device.type not in ("cuda", "meta"):
-        raise ConfigError(
-            f"precision={cfg.name} needs a CUDA GPU (fp16 autocast and loss scaling are for "
-            "GPUs); on CPU use precision=bf16 or fp32"
-        )
-    if p.quantize == "fp8":
-        if device.type == "cuda":
-            cap = torch.cuda.get_device_capability(device)
-            if cap < (8, 9) and not cfg.fp8_emulate:
-                raise ConfigError(
-                    f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+, "
-                    f"e.g. H100/L40S); this one is {cap[0]}.{cap[1]}"
-                )
-        elif not cfg.fp8_emulate and device.type != "meta":
-            raise ConfigError(
-                "precision=fp8 on CPU runs only emulated: set precision.fp8_emulate=true "
-                "(for tests; it is slow), or train fp8 on an H100/H200"
-            )
-    if p.quantize in ("fp8", "int8-torchao") and check_device:
-        _need_torchao(f"precision={p.name}")
-    if cfg.optimizer_8bit and check_device:
-        _need_torchao("precision.optimizer_8bit=true")
+    if check_device:
+        _check_device(cfg, p, device)
     _check_int8_grad_weight(cfg)
-    keys = ("fp8_all_gather", "fp8_lm_head", "fp8_fast_accum", "fp8_scaling", "fp8_amax_history")
-    for key in keys:  # set: not its default
-        if getattr(cfg, key) != getattr(PrecisionConfig, key) and p.quantize != "fp8":
-            raise ConfigError(
-                f"precision.{key} applies to precision=fp8 only, not precision={cfg.name}; "
-                "remove it or use precision=fp8"
-            )
-    if cfg.fp8_all_gather is not None and cfg.fp8_recipe != "tensorwise":
-        raise ConfigError(
-            f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
-            f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
-        )
+    _check_own_keys(cfg, p)
     asked = cfg.fp8_scaling
     cfg = replace(cfg, fp8_scaling=resolve_fp8_scaling(cfg, p.quantize == "fp8", shards_params))
     if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
@@ -251,9 +219,86 @@ def build_precision(
         fp8_scaling=cfg.fp8_scaling,
         fp8_amax_history=cfg.fp8_amax_history,
         int8_grad_weight=cfg.int8_grad_weight or p.int8_grad_weight,
+        fp8_first_step=cfg.fp8_first_step,
+        int8=Int8Options(**{k: getattr(cfg, f"int8_{k}") for k in INT8_KEYS}),
         reduce_dtype=reduce_dtype or p.reduce_dtype,
         reduce_override=reduce_dtype is not None,
     )
+
+
+def _check_device(cfg: PrecisionConfig, p: Precision, device: torch.device) -> None:
+    """Refuse what this machine cannot run: bf16 without Ampere, fp16 on CPU, fp8 without fp8
+    tensor cores (unless emulated), a missing torchao, a Gluon GEMM without Gluon."""
+    if p.compute_dtype == torch.bfloat16 and device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"precision={cfg.name} needs a GPU with bf16 (Ampere or newer)")
+    if p.loss_scaling and device.type != "cuda":
+        raise ConfigError(
+            f"precision={cfg.name} needs a CUDA GPU (fp16 autocast and loss scaling are for "
+            "GPUs); on CPU use precision=bf16 or fp32"
+        )
+    if p.quantize == "fp8":
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9) and not cfg.fp8_emulate:
+                raise ConfigError(
+                    f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+, "
+                    f"e.g. H100/L40S); this one is {cap[0]}.{cap[1]}"
+                )
+        elif not cfg.fp8_emulate:
+            raise ConfigError(
+                "precision=fp8 on CPU runs only emulated: set precision.fp8_emulate=true "
+                "(for tests; it is slow), or train fp8 on an H100/H200"
+            )
+    if p.quantize in ("fp8", "int8-torchao"):
+        _need_torchao(f"precision={p.name}")
+    if cfg.optimizer_8bit:
+        _need_torchao("precision.optimizer_8bit=true")
+    check_kernels(cfg)
+
+
+# Keys that apply to one precision only (set to anything but their default elsewhere: an error).
+_FP8_KEYS = (
+    "fp8_all_gather",
+    "fp8_lm_head",
+    "fp8_fast_accum",
+    "fp8_scaling",
+    "fp8_amax_history",
+    "fp8_first_step",
+)
+_OWN_KEYS = {"fp8": _FP8_KEYS, "int8": tuple(f"int8_{k}" for k in INT8_KEYS)}
+
+
+def _check_own_keys(cfg: PrecisionConfig, p: Precision) -> None:
+    """fp8's and int8's keys set only with their precision."""
+    for precision, keys in _OWN_KEYS.items():
+        for key in keys:  # set: not its default
+            if getattr(cfg, key) != getattr(PrecisionConfig, key) and p.quantize != precision:
+                raise ConfigError(
+                    f"precision.{key} applies to precision={precision} only, not "
+                    f"precision={cfg.name}; remove it or use precision={precision}"
+                )
+    if cfg.fp8_all_gather is not None and cfg.fp8_recipe != "tensorwise":
+        raise ConfigError(
+            f"precision.fp8_all_gather applies to precision.fp8_recipe=tensorwise only "
+            f"(with {cfg.fp8_recipe} scales weights are gathered in bf16); remove it"
+        )
+
+
+def check_kernels(cfg: PrecisionConfig) -> None:
+    """precision=int8's Gluon GEMMs need Triton's Gluon for Hopper: checked at launch, before
+    the run dir is written, with the other choices named."""
+    if cfg.name != "int8":
+        return
+    for key, others in (("int8_grouped_gemm", "auto or triton"), ("int8_gemm", "tma or pointer")):
+        if getattr(cfg, key) == "gluon":
+            from dtrain.lowp.gluon_support import has_gluon_hopper, triton_version
+
+            if not has_gluon_hopper():
+                raise ConfigError(
+                    f"precision.{key}=gluon needs Triton's Gluon for Hopper (Triton 3.6 or "
+                    f"later); {triton_version()}: choose {others}"
+                )
 
 
 def resolve_fp8_scaling(cfg: PrecisionConfig, fp8: bool, shards_params: bool) -> str:
@@ -373,6 +418,7 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
             module,
             block_linear_filter,
             grad_weight=precision.int8_grad_weight or INT8_GRAD_WEIGHT_DEFAULT,
+            options=precision.int8,
         )
     elif precision.quantize == "int8-torchao":
         from dtrain.lowp.torchao_ref import apply_torchao_int8
@@ -458,10 +504,10 @@ def precision_hooks(
         from dtrain.lowp.fp8_delayed import DelayedScaling
 
         # The dynamic first step eagerly where the model compiles and its blocks are whole
-        # (strategies/eager_step recomputes them in backward, which FSDP's hooks would miss).
-        delayed = DelayedScaling.of(
-            module, device, compiled=compiled, eager_first=compiled and not sharded
-        )
+        # (strategies/eager_step recomputes them in backward, which FSDP's hooks would miss),
+        # unless precision.fp8_first_step=compiled.
+        eager_first = compiled and not sharded and precision.fp8_first_step == "eager"
+        delayed = DelayedScaling.of(module, device, compiled=compiled, eager_first=eager_first)
         steps.append(delayed.step)
         loads.append(delayed.reset)
     if sharded and precision.fp8_weight_gather:

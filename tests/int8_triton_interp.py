@@ -21,16 +21,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_int8_triton.py"
 
-from dtrain.errors import ConfigError  # noqa: E402
 from dtrain.lowp import int8 as i8  # noqa: E402
 from dtrain.lowp import int8_grouped as ig  # noqa: E402
 from dtrain.lowp import int8_grouped_triton as igt  # noqa: E402
-from dtrain.lowp import int8_swiglu as sw  # noqa: E402
-from dtrain.lowp import int8_swiglu_triton as swt  # noqa: E402
 from dtrain.lowp import int8_triton as it  # noqa: E402
+from dtrain.lowp.experimental import int8_swiglu as sw  # noqa: E402
+from dtrain.lowp.experimental import int8_swiglu_triton as swt  # noqa: E402
+from dtrain.lowp.options import Int8Options  # noqa: E402
 
 # (M, N, K): not multiples of 16/32/64; a single row/column; K a multiple of 128 (EVEN_K).
 SHAPES = [(33, 70, 100), (1, 1, 16), (257, 129, 64), (17, 8, 300), (64, 96, 256), (5, 3, 1)]
+
+
+@pytest.fixture(autouse=True)
+def _default_kernels(monkeypatch):
+    """apply_int8 hands the ops the run's choices (configure): each test starts from, and leaves
+    behind, the defaults."""
+    monkeypatch.setattr(it, "GEMM", "tma")
+    monkeypatch.setattr(it, "QUANTIZE_TILE", "tuned")
+    monkeypatch.setattr(igt, "GROUPED_GEMM", "auto")
 
 
 def _operands(m, n, k, seed=0):
@@ -69,7 +78,7 @@ TMA_SHAPES = [(33, 70, 80), (1, 1, 16), (257, 129, 64), (17, 8, 304), (100, 33, 
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
 def test_tma_gemm_equals_the_exact_product(m, n, k):
     a, b, sa, sb = _operands(m, n, k)
-    assert it._tma_ok(a, b)
+    assert it.tma_ok(a, b)
     out = torch.empty(m, n, dtype=torch.int32)
     it._launch_int8_mm_tma(a, b, out, None, None, config=(32, 32, 32, 4, 1))
     assert torch.equal(out, _exact(a, b))
@@ -80,9 +89,9 @@ def test_tma_gemm_equals_the_exact_product(m, n, k):
 
 def test_tma_needs_16_byte_rows():
     a, b, _, _ = _operands(33, 70, 100)  # K = 100: rows of 100 bytes
-    assert not it._tma_ok(a, b)
+    assert not it.tma_ok(a, b)
     a, b, _, _ = _operands(33, 70, 80)
-    assert not it._tma_ok(a, b.contiguous())  # b row-major: not K-major
+    assert not it.tma_ok(a, b.contiguous())  # b row-major: not K-major
 
 
 def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
@@ -92,18 +101,19 @@ def test_only_gpus_with_tma_take_the_tma_gemm(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert it._has_tma(torch.device("cuda", 0)) is want, cap
     a, b, _, _ = _operands(64, 64, 64)
-    assert not it._takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
+    assert not it.takes_tma(a, b)  # CPU tensors: never (the interpreter runs the pointer one)
 
 
 def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
-    monkeypatch.setattr(it, "GEMM", "pointer")
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+        i8.apply_int8(
+            nn.Linear(8, 8), lambda m, n: True, kernel="triton", options=Int8Options(gemm="pointer")
+        )
+    assert it.GEMM == "pointer"
     lines = [r.getMessage() for r in caplog.records if "int8 GEMMs" in r.getMessage()]
-    assert lines == ["int8 GEMMs: the pointer-load kernel, not the TMA one (DTRAIN_INT8_GEMM)"]
+    assert lines == ["int8 GEMMs: the pointer-load kernel, not the TMA one (precision.int8_gemm)"]
     caplog.clear()
-    monkeypatch.setattr(it, "GEMM", "tma")  # the default says nothing
-    with caplog.at_level(logging.INFO, logger="dtrain"):
+    with caplog.at_level(logging.INFO, logger="dtrain"):  # the default says nothing
         i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
     assert not [r for r in caplog.records if "int8 GEMMs" in r.getMessage()]
 
@@ -122,11 +132,13 @@ def test_the_pointer_gemm_when_asked_is_said_in_one_line(monkeypatch, caplog):
 def test_the_gluon_gemm_when_asked_is_said_in_one_line_and_never_runs_on_cpu(
     gemm, line, monkeypatch, caplog
 ):
-    monkeypatch.setattr(it, "GEMM", gemm)
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+        i8.apply_int8(
+            nn.Linear(8, 8), lambda m, n: True, kernel="triton", options=Int8Options(gemm=gemm)
+        )
+    assert it.GEMM == gemm
     lines = [r.getMessage() for r in caplog.records if "int8 GEMMs" in r.getMessage()]
-    assert lines == [f"int8 GEMMs: {line}the TMA one (DTRAIN_INT8_GEMM)"]
+    assert lines == [f"int8 GEMMs: {line}the TMA one (precision.int8_gemm)"]
     a, b, sa, sb = _operands(1024, 1024, 1024)  # 2**30 multiply-adds: a large problem
     assert not it._takes_gluon(a, b, sa, sb, torch.bfloat16)  # CPU tensors (the interpreter)
     assert torch.equal(
@@ -136,7 +148,7 @@ def test_the_gluon_gemm_when_asked_is_said_in_one_line_and_never_runs_on_cpu(
 
 
 def test_the_quantize_tile_switch_forces_the_sweeps_and_is_said_in_one_line(monkeypatch, caplog):
-    """DTRAIN_INT8_QUANTIZE_TILES=sweeps: the op takes two sweeps of a fixed tile where it would
+    """precision.int8_quantize_tiles=sweeps: the op takes two sweeps of a fixed tile where it would
     autotune (or, here in the interpreter, take one pass), and apply_int8 says so once."""
     seen = []
     launch = it.launch_rows
@@ -152,21 +164,13 @@ def test_the_quantize_tile_switch_forces_the_sweeps_and_is_said_in_one_line(monk
     q, s = it.quantize_rowwise(x, None)
     qe, se = i8.quantize_rowwise(x)
     assert seen == [None, False] and torch.equal(q, qe) and torch.equal(s, se)
+    sweeps = Int8Options(quantize_tiles="sweeps")
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
+        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton", options=sweeps)
+    assert it.QUANTIZE_TILE == "sweeps"
     lines = [r.getMessage() for r in caplog.records if "quantize op" in r.getMessage()]
     assert lines == ["int8 quantize op: two sweeps of a fixed tile, not autotuned "
-                     "(DTRAIN_INT8_QUANTIZE_TILES)"]  # fmt: skip
-
-
-def test_a_bad_gemm_variant_is_one_line(monkeypatch):
-    monkeypatch.setenv(it.GEMM_ENV, "sideways")
-    with pytest.raises(ConfigError, match="DTRAIN_INT8_GEMM='sideways' is not valid; choose"):
-        it.gemm_variant()
-    monkeypatch.setenv(it.GEMM_ENV, "Pointer")
-    assert it.gemm_variant() == "pointer"
-    monkeypatch.delenv(it.GEMM_ENV)
-    assert it.gemm_variant() == "tma"
+                     "(precision.int8_quantize_tiles)"]  # fmt: skip
 
 
 def test_int8_mm_full_scale_values_are_exact():
@@ -368,7 +372,7 @@ def test_long_reductions_are_chunked_as_the_portable_path_does(monkeypatch):
     assert torch.equal(got, exact)
 
 
-def _compiled_mlp(grad_weight: str, tokens: int):
+def _compiled_mlp(grad_weight: str, tokens: int, quantize: str = "gradients"):
     """Two int8 linears on the Triton ops, a step compiled with fullgraph=True and AOTAutograd
     (no Inductor): (model, loss_fn, x, (forward graph's code, backward graph's code))."""
     from functorch.compile import make_boxed_func
@@ -383,7 +387,10 @@ def _compiled_mlp(grad_weight: str, tokens: int):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
-    i8.apply_int8(model, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
+    options = Int8Options(quantize=quantize)
+    i8.apply_int8(
+        model, lambda m, n: True, grad_weight=grad_weight, kernel="triton", options=options
+    )
     x = torch.randn(4, tokens, 64, requires_grad=True)
 
     def loss_fn(x):
@@ -394,16 +401,15 @@ def _compiled_mlp(grad_weight: str, tokens: int):
     return model, loss_fn, x, tuple(codes)
 
 
-@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
+@pytest.mark.parametrize("quantize", ["fused", "apart", "gradients"])
 @pytest.mark.parametrize("grad_weight", ["int8", "bf16"])
-def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkeypatch):
+def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize):
     """fullgraph=True: the custom ops (opaque to Dynamo, with fake implementations) break no
     graph and appear in the forward and backward graphs AOTAutograd hands to the compiler; the
-    compiled step's gradients are the eager Triton path's. DTRAIN_INT8_QUANTIZE=apart keeps
-    every quantize as the Triton op, =backward those of the backward, =gradients those of dy
-    (not the transposed weights', the default); =fused leaves them all to Inductor to fuse."""
-    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
-    model, loss_fn, x, (fw, bw) = _compiled_mlp(grad_weight, tokens=32)
+    compiled step's gradients are the eager Triton path's. precision.int8_quantize=apart keeps
+    every quantize as the Triton op, =gradients those of dy (not the transposed weights', the
+    default); =fused leaves them all to Inductor to fuse."""
+    model, loss_fn, x, (fw, bw) = _compiled_mlp(grad_weight, tokens=32, quantize=quantize)
     n_bw = 2 if grad_weight == "int8" else 1  # per layer: grad_input (+ grad_weight in int8)
     assert fw.count("torch.ops.dtrain.int8_mm") == 2, fw
     assert bw.count("torch.ops.dtrain.int8_mm") == 2 * n_bw, bw
@@ -421,12 +427,6 @@ def test_compiles_in_one_graph_with_the_triton_ops(grad_weight, quantize, monkey
     loss_fn(x).backward()
     for g, p in zip(grads, model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
-
-
-def test_a_bad_quantize_mode_is_one_line(monkeypatch):
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
-    with pytest.raises(ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid; "):
-        i8.apply_int8(nn.Linear(8, 8), lambda m, n: True, kernel="triton")
 
 
 def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_once(monkeypatch):
@@ -457,7 +457,7 @@ def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_on
     monkeypatch.setattr(it, "_launch_int8_mm_tma", fake_tma)
     monkeypatch.setattr(it, "median_ms", median_ms)
     monkeypatch.setattr(it, "_takes_gluon", lambda *args: True)  # as on Hopper
-    monkeypatch.setattr(it, "_takes_tma", lambda *args: True)
+    monkeypatch.setattr(it, "takes_tma", lambda *args: True)
     monkeypatch.setattr(it, "_GLUON_FASTER", {})
     monkeypatch.setattr(it, "GEMM", "fastest")
     for k, faster in ((2048, "gluon"), (512, "tma")):
@@ -475,10 +475,8 @@ def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_on
     assert ran == ["gluon"] and len(timed) == 6
 
 
-def test_dispatch_in_the_interpreter(monkeypatch):
-    monkeypatch.setenv(i8.KERNEL_ENV, "triton")
-    assert i8.select_kernel("cpu")[0] == "triton"
-    monkeypatch.delenv(i8.KERNEL_ENV)
+def test_dispatch_in_the_interpreter():
+    assert i8.select_kernel("cpu", "triton")[0] == "triton"
     assert i8.select_kernel("cpu") == ("torch", "no CUDA device")
 
 
@@ -552,13 +550,14 @@ def test_grouped_gemm_rejects_what_it_cannot_compute():
 
 
 @pytest.mark.parametrize("quantize", ["gradients", "fused"])
-def test_grouped_grad_weight_compiles_in_one_graph_with_its_ops(quantize, monkeypatch):
+def test_grouped_grad_weight_compiles_in_one_graph_with_its_ops(quantize):
     """fullgraph=True with grad_weight="int8_grouped": its GEMM is one custom op in the backward
     graph (per layer), its quantize the Triton op where dy's quantizes are kept apart (the
     default) or left to the compiler (fused), and the compiled step's gradients are the eager
     Triton path's."""
-    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
-    model, loss_fn, x, (fw, bw) = _compiled_mlp("int8_grouped", tokens=64)  # 256: two groups
+    model, loss_fn, x, (fw, bw) = _compiled_mlp(
+        "int8_grouped", tokens=64, quantize=quantize
+    )  # 256: two groups
     assert "int8_mm_grouped" not in fw and "int8_quantize_groups" not in fw
     assert bw.count("torch.ops.dtrain.int8_mm_grouped") == 2, bw
     n_q = 2 if quantize == "gradients" else 0
@@ -572,7 +571,7 @@ def test_grouped_grad_weight_compiles_in_one_graph_with_its_ops(quantize, monkey
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 
-# --- the fused SwiGLU's kernels (dtrain/lowp/int8_swiglu_triton.py) -----------------------------
+# --- the fused SwiGLU's kernels (dtrain/lowp/experimental/int8_swiglu_triton.py) ---------------
 
 SWIGLU_SHAPES = [(5, 70), (33, 129), (1, 1), (16, 300), (3, 64)]
 

@@ -10,7 +10,6 @@ from tests.conftest import ROOT, cli_env
 
 def test_int8_kernels_bench_smoke(tmp_path):
     env = cli_env()
-    env.pop("DTRAIN_INT8_KERNEL", None)
     res = subprocess.run(
         [sys.executable, "bench/int8_kernels.py", "--smoke", "--out", tmp_path]
         + ["--e2e-runs", "bf16,int8_triton", "--run-root", tmp_path / "runs"],

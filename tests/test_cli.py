@@ -36,73 +36,82 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
     assert "Traceback" not in res.stderr + res.stdout
 
 
-def test_a_bad_int8_switch_is_one_line_before_the_run_dir_is_touched(tmp_path):
-    """DTRAIN_INT8_* switches are checked at launch: one line, exit 2, and the run dir's
-    Hydra record (another run's, here) is not rewritten, as it was when the layers read them."""
+def test_a_bad_int8_choice_is_one_line_before_the_run_dir_is_touched(tmp_path):
+    """precision.int8_* choices are checked at launch: one line, exit 2, and the run dir's
+    Hydra record (another run's, here) is not rewritten."""
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text("- model=tiny\n")
-    res = launch(
-        *FAST,
-        "precision=int8",
-        f"hydra.run.dir={run}",
-        env_extra={"DTRAIN_INT8_GRAD_INPUT": "sideways"},
-    )
+    res = launch(*FAST, "precision=int8", "precision.int8_gemm=sideways", f"hydra.run.dir={run}")
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert lines == [
-        "error: DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose compute or input"
+        "error: precision.int8_gemm='sideways' is not valid; choose tma, pointer, gluon, fastest"
     ], res.stderr
     assert sorted(p.name for p in run.rglob("*")) == [".hydra", "overrides.yaml"]
     assert (run / ".hydra" / "overrides.yaml").read_text() == "- model=tiny\n"
 
 
 @pytest.mark.parametrize(
-    "env,choices",
+    "key,choices",
     [
-        ("DTRAIN_INT8_KERNEL", "auto, triton, torch"),
-        ("DTRAIN_INT8_GEMM", "tma, pointer, gluon, fastest"),
-        ("DTRAIN_INT8_QUANTIZE_TILES", "tuned or sweeps"),
-        ("DTRAIN_INT8_QUANTIZE", "gradients, fused, apart, backward"),
-        ("DTRAIN_INT8_GRAD_INPUT", "compute or input"),
-        ("DTRAIN_INT8_SWIGLU", "linears or fused"),
-        ("DTRAIN_INT8_GROUPED_GEMM", "auto, gluon, triton"),
-        ("DTRAIN_FP8_FIRST_STEP", "eager or compiled"),
+        ("int8_kernel", "auto, triton, torch"),
+        ("int8_gemm", "tma, pointer, gluon, fastest"),
+        ("int8_quantize_tiles", "tuned or sweeps"),
+        ("int8_quantize", "gradients, fused, apart"),
+        ("int8_swiglu", "linears or fused"),
+        ("int8_grouped_gemm", "auto, gluon, triton"),
+        ("fp8_first_step", "eager or compiled"),
     ],
 )
-def test_the_launch_check_covers_every_low_precision_switch(monkeypatch, env, choices):
-    from dtrain.errors import ConfigError
-    from dtrain.lowp.switches import check_switches
+def test_every_low_precision_choice_is_a_checked_config_key(key, choices):
+    from dataclasses import replace
 
-    precision = env.split("_")[1].lower()  # DTRAIN_INT8_... is int8's, DTRAIN_FP8_... fp8's
-    check_switches(precision)  # unset: each its default
-    monkeypatch.setenv(env, "sideways")
-    with pytest.raises(ConfigError, match=f"^{env}='sideways' is not valid; choose {choices}$"):
-        check_switches(precision)
+    from dtrain.config import PrecisionConfig, compose
+    from dtrain.errors import ConfigError
+
+    precision = key.split("_")[0]
+    cfg = compose(["model=tiny", f"precision={precision}"]).precision
+    assert getattr(cfg, key) == getattr(PrecisionConfig, key)  # the yaml's is the schema's
+    with pytest.raises(
+        ConfigError, match=f"^precision.{key}='sideways' is not valid; choose {choices}$"
+    ):
+        compose(["model=tiny", f"precision={precision}", f"precision.{key}=sideways"])
     other = {"int8": "fp8", "fp8": "int8"}[precision]
-    check_switches(other)  # another precision's switches are not this one's business
+    with pytest.raises(ConfigError, match=f"unknown config key 'precision.{key}'"):
+        compose(
+            ["model=tiny", f"precision={other}", f"precision.{key}={choices.split()[0].strip(',')}"]
+        )
+    import torch
+
+    from dtrain.precision import build_precision
+
+    bad = replace(PrecisionConfig(name=other), **{key: choices.split(", ")[-1].split(" or ")[-1]})
+    with pytest.raises(ConfigError, match=f"precision.{key} applies to precision={precision} only"):
+        build_precision(bad, torch.device("meta"), check_device=False)
 
 
 @pytest.mark.parametrize(
-    "env,others",
-    [("DTRAIN_INT8_GROUPED_GEMM", "auto or triton"), ("DTRAIN_INT8_GEMM", "tma or pointer")],
+    "key,others", [("int8_grouped_gemm", "auto or triton"), ("int8_gemm", "tma or pointer")]
 )
-def test_a_gluon_gemm_needs_gluon_and_says_so_at_launch(monkeypatch, env, others):
-    """DTRAIN_INT8_GROUPED_GEMM=gluon or DTRAIN_INT8_GEMM=gluon with a Triton that has no Gluon
-    for Hopper: one ConfigError naming the variable, what it needs and the other choices."""
+def test_a_gluon_gemm_needs_gluon_and_says_so_at_launch(monkeypatch, key, others):
+    """precision.int8_grouped_gemm=gluon or int8_gemm=gluon with a Triton that has no Gluon for
+    Hopper: one ConfigError naming the key, what it needs and the other choices."""
+    from dtrain.config import PrecisionConfig
     from dtrain.errors import ConfigError
-    from dtrain.lowp import switches
+    from dtrain.lowp import gluon_support
+    from dtrain.precision import check_kernels
 
-    monkeypatch.setenv(env, "gluon")
-    monkeypatch.setattr(switches, "has_gluon_hopper", lambda: False)
+    cfg = PrecisionConfig(name="int8", **{key: "gluon"})
+    monkeypatch.setattr(gluon_support, "has_gluon_hopper", lambda: False)
     said = (
-        rf"^{env}=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
+        rf"^precision.{key}=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
         rf"later\); (this is Triton |Triton is not).+: choose {others}$"
     )
     with pytest.raises(ConfigError, match=said):
-        switches.check_switches("int8")
-    monkeypatch.setattr(switches, "has_gluon_hopper", lambda: True)
-    switches.check_switches("int8")  # with Gluon: fine
+        check_kernels(cfg)
+    monkeypatch.setattr(gluon_support, "has_gluon_hopper", lambda: True)
+    check_kernels(cfg)  # with Gluon: fine
 
 
 def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):

@@ -221,16 +221,15 @@ def plain_block_and_loss(s: SingleStrategy) -> bool:
 
 
 @pytest.mark.parametrize("first", ["eager", "compiled"])
-def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(monkeypatch, captured, first):
+def test_a_compiled_model_runs_its_dynamic_first_step_eagerly(captured, first):
     """Compiled, the first step (dynamic scales: no history yet) runs eagerly, as
-    DTRAIN_FP8_FIRST_STEP=eager (the default) has it: of the model only the loss is captured
+    precision.fp8_first_step=eager (the default) has it: of the model only the loss is captured
     (compiled apart, dtrain/strategies/eager_step.py), so does an eval before it, its loss and
     gradients are the eager model's; the next step (delayed) is the first to capture the model,
     and the loop's slow-step notice and compiling step say so. After a load that restored no
     history: eager again. `compiled` captures the first step whole, as before. (Dynamo's
     capture only: what is counted is what Dynamo captures, not Inductor's kernels.)"""
-    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", first)
-    s, ref = strategy("delayed", compile=True), strategy("delayed")
+    s, ref = strategy("delayed", compile=True, fp8_first_step=first), strategy("delayed")
     eager = lambda: s.step_mode is not None and s.step_mode.runs_eager()  # noqa: E731
     assert eager() is (first == "eager")
     slow = s.slow_steps(1)
@@ -279,10 +278,9 @@ def test_the_eager_step_puts_the_model_back_when_a_step_fails(captured):
     assert model_graphs(captured)
 
 
-def test_only_whole_parameters_under_compile_get_an_eager_first_step(monkeypatch):
+def test_only_whole_parameters_under_compile_get_an_eager_first_step():
     from dtrain.precision import precision_hooks
 
-    monkeypatch.delenv("DTRAIN_FP8_FIRST_STEP", raising=False)
     assert strategy("delayed").step_mode is None  # nothing compiles: nothing to run eagerly
     assert strategy("dynamic", compile=True).step_mode is None  # no history to wait for
     s = strategy("delayed")
@@ -549,7 +547,7 @@ def test_fp8_scaling_auto_is_delayed_where_parameters_are_whole():
     build_precision(replace(fp8, fp8_amax_history=4), cpu)  # delayed on one rank: taken
 
 
-def test_a_non_finite_first_step_runs_eagerly_again_and_the_log_says_so(monkeypatch, captured):
+def test_a_non_finite_first_step_runs_eagerly_again_and_the_log_says_so(captured):
     """A first step whose amaxes are not finite resets the scales (no history to start from),
     so the next step is dynamic too and runs eagerly again: the loop's slow-step plan
     (dtrain/run/slow_step.py) moves with it, naming step 2 eager and step 3 the compiling one,
@@ -557,8 +555,7 @@ def test_a_non_finite_first_step_runs_eagerly_again_and_the_log_says_so(monkeypa
     from dtrain.run.gc_schedule import GcSchedule
     from dtrain.run.slow_step import SlowSteps
 
-    monkeypatch.setenv("DTRAIN_FP8_FIRST_STEP", "eager")
-    s = strategy("delayed", compile=True)
+    s = strategy("delayed", compile=True, fp8_first_step="eager")
     slow = SlowSteps(s, 1)
     assert "eagerly" in slow.what(1) and 1 in slow and 2 in slow
     x = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))

@@ -1,6 +1,6 @@
 """Which kernels run precision=int8's matmuls: the portable torch._int_mm path on CPU (and on
 GPUs older than Hopper, or without Triton), the Triton kernels on sm90+ (here with a faked
-CUDA device), DTRAIN_INT8_KERNEL forcing either, one log line naming the choice and why."""
+CUDA device), precision.int8_kernel forcing either, one log line naming the choice and why."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from dtrain.config import PrecisionConfig
 from dtrain.errors import ConfigError
 from dtrain.lowp import int8 as i8
+from dtrain.lowp.options import Int8Options
 from dtrain.model import ModelConfig, build_model
 from dtrain.precision import apply_precision, build_precision
 
@@ -23,9 +24,6 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    monkeypatch.delenv(i8.KERNEL_ENV, raising=False)
-    monkeypatch.delenv(i8.QUANTIZE_ENV, raising=False)
-    monkeypatch.delenv(i8.GRAD_INPUT_ENV, raising=False)
     monkeypatch.setattr(i8, "_LOGGED", set())  # each test sees its own first log line
 
 
@@ -38,7 +36,7 @@ def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3", trito
     monkeypatch.setattr(i8, "_triton_installed", lambda: triton)
     # Importing the kernels needs triton; CI may not have it, and nothing here launches them:
     # what apply_int8 reads of the module stands in for it (the default GEMM).
-    ops = SimpleNamespace(GEMM="tma", GEMM_ENV="DTRAIN_INT8_GEMM", QUANTIZE_TILE="tuned")
+    ops = SimpleNamespace(configure=lambda **choices: None)
     monkeypatch.setattr(i8, "_triton_ops", lambda: ops)
 
 
@@ -82,36 +80,34 @@ def test_sm90_takes_the_triton_kernels(monkeypatch, caplog):
     [
         ((8, 0), True, "", "torch", "NVIDIA A100, sm80: the Triton int8 kernels are for sm90+"),
         ((9, 0), False, "", "torch", "Triton is not installed"),
-        ((9, 0), True, "torch", "torch", "DTRAIN_INT8_KERNEL=torch"),
+        ((9, 0), True, "torch", "torch", "precision.int8_kernel=torch"),
         ((9, 0), True, "auto", "triton", "NVIDIA H100 80GB HBM3, sm90"),
-        ((8, 0), True, "triton", "triton", "forced by DTRAIN_INT8_KERNEL=triton"),
+        ((8, 0), True, "triton", "triton", "forced by precision.int8_kernel=triton"),
         ((8, 0), False, "triton", "torch", "Triton is not installed"),
     ],
 )
 def test_the_choice_and_its_reason(monkeypatch, capability, triton, forced, expected, reason):
     name = "NVIDIA A100" if capability < (9, 0) else "NVIDIA H100 80GB HBM3"
     fake_gpu(monkeypatch, capability=capability, name=name, triton=triton)
-    monkeypatch.setenv(i8.KERNEL_ENV, forced)
-    kernel, why = i8.select_kernel(CUDA)
+    kernel, why = i8.select_kernel(CUDA, forced or "auto")
     assert kernel == expected and reason in why, (kernel, why)
 
 
 def test_forcing_triton_on_cpu_stays_portable_and_bad_values_are_config_errors(monkeypatch):
-    monkeypatch.setenv(i8.KERNEL_ENV, "triton")
     monkeypatch.setattr(i8, "_INTERPRET", False)
-    assert i8.select_kernel(CPU) == ("torch", "no CUDA device")
-    monkeypatch.setenv(i8.KERNEL_ENV, "cutlass")
-    with pytest.raises(ConfigError, match="DTRAIN_INT8_KERNEL='cutlass' is not valid; choose"):
-        i8.select_kernel(CPU)
+    assert i8.select_kernel(CPU, "triton") == ("torch", "no CUDA device")
+    with pytest.raises(ConfigError, match="precision.int8_kernel='cutlass' is not valid; choose"):
+        build_precision(PrecisionConfig(name="int8", int8_kernel="cutlass"), CPU)
     with pytest.raises(ValueError, match="kernel='cutlass'"):
         i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), kernel="cutlass")
 
 
 def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch, caplog):
-    def swapped(kernel=None) -> nn.Module:
+    def swapped(kernel=None, quantize="gradients") -> nn.Module:
         with torch.device("meta"):  # as FSDP builds it: the kernels are the (faked) GPU's
             model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
-        i8.apply_int8(model, lambda m, n: True, kernel=kernel)
+        options = Int8Options(quantize=quantize)
+        i8.apply_int8(model, lambda m, n: True, kernel=kernel, options=options)
         return model
 
     def placements(model) -> set[str]:
@@ -121,61 +117,20 @@ def test_the_quantize_placement_is_read_once_for_the_triton_kernels(monkeypatch,
     with caplog.at_level(logging.INFO, logger="dtrain"):
         assert placements(swapped()) == {"gradients"}  # the default: dy's apart, said nowhere
     assert not any("int8 quantizes" in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "fused")
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        assert placements(swapped()) == {"fused"}
+        assert placements(swapped(quantize="fused")) == {"fused"}
     assert any("int8 quantizes: all fused" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "apart")
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        model = swapped()
+        model = swapped(quantize="apart")
     assert placements(model) == {"apart"} and "quantize=apart" in repr(model[0])
     assert any("int8 quantizes: the Triton op, apart" in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "backward")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dtrain"):
-        assert placements(swapped()) == {"backward"}
-    assert any(
-        "int8 quantizes in the backward: the Triton op" in r.getMessage() for r in caplog.records
-    )
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "gradients")
-    assert placements(swapped()) == {"gradients"}
     # torch._int_mm has no quantize op of its own: the choice does not apply to it
-    assert placements(swapped(kernel="torch")) == {"fused"}
-    monkeypatch.setenv(i8.QUANTIZE_ENV, "sideways")
-    for kernel in (None, "torch"):  # a bad value stops the run whichever kernels it takes
-        with pytest.raises(ConfigError, match="DTRAIN_INT8_QUANTIZE='sideways' is not valid"):
-            swapped(kernel=kernel)
+    assert placements(swapped(kernel="torch", quantize="apart")) == {"fused"}
+    with pytest.raises(ConfigError, match="precision.int8_quantize='backward' is not valid"):
+        build_precision(PrecisionConfig(name="int8", int8_quantize="backward"), CPU)
     with pytest.raises(ValueError, match="quantize='sideways'"):
         i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), quantize="sideways")
-
-
-def test_grad_input_dtype_is_read_once_said_once_and_checked(monkeypatch, caplog):
-    """DTRAIN_INT8_GRAD_INPUT: unset, every swapped layer writes grad-input in the compute dtype
-    (the measured default); `input` sets them all to the input's dtype, for either kernels, and
-    says so; a bad value stops the swap with one line naming the choices."""
-
-    def swapped(kernel=None) -> nn.Module:
-        model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
-        i8.apply_int8(model, lambda m, n: True, kernel=kernel)
-        return model
-
-    with caplog.at_level(logging.INFO, logger="dtrain"):
-        assert {m.grad_input for m in swapped()} == {"compute"}
-    assert not [r for r in caplog.records if "int8 grad-input" in r.getMessage()]
-    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "Input ")
-    with caplog.at_level(logging.INFO, logger="dtrain"):
-        model = swapped()
-    assert {m.grad_input for m in model} == {"input"} and "grad_input=input" in repr(model[0])
-    said = [r.getMessage() for r in caplog.records if "int8 grad-input" in r.getMessage()]
-    assert said == ["int8 grad-input: written in the input's dtype (DTRAIN_INT8_GRAD_INPUT)"]
-    fake_gpu(monkeypatch)
-    assert {m.grad_input for m in swapped(kernel="triton")} == {"input"}
-    monkeypatch.setenv(i8.GRAD_INPUT_ENV, "sideways")
-    with pytest.raises(
-        ConfigError, match="DTRAIN_INT8_GRAD_INPUT='sideways' is not valid; choose compute or input"
-    ):
-        swapped()
 
 
 def test_a_triton_layer_given_cpu_tensors_computes_the_portable_path(monkeypatch):

@@ -14,12 +14,6 @@ from dtrain.lowp import int8_grouped as ig
 from tests.test_precision import CountOps, snr_db
 
 
-@pytest.fixture(autouse=True)
-def _portable(monkeypatch):
-    for env in (i8.KERNEL_ENV, i8.QUANTIZE_ENV, i8.GRAD_INPUT_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-
 def _reference_quantize(g: torch.Tensor, token_scale: torch.Tensor):
     """One group of rows at a time, as the definition reads."""
     v = g.float() * token_scale
@@ -232,7 +226,7 @@ def test_the_gluon_grouped_gemm_is_taken_only_where_chosen_and_it_can_run(
     monkeypatch, choice, capability, k, expected
 ):
     """The grouped GEMM runs on the Gluon kernel on Hopper (sm_90) for TMA-readable operands,
-    unless DTRAIN_INT8_GROUPED_GEMM=triton, and nowhere else."""
+    unless precision.int8_grouped_gemm=triton, and nowhere else."""
     igt = pytest.importorskip("dtrain.lowp.int8_grouped_triton")
     monkeypatch.setattr(igt, "GROUPED_GEMM", choice)
     monkeypatch.setattr(igt, "has_gluon_hopper", lambda: True)

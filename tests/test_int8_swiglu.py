@@ -1,4 +1,5 @@
-"""precision=int8's fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) on the
+"""precision=int8's fused SwiGLU (dtrain/lowp/experimental/int8_swiglu.py, precision.int8_swiglu=
+fused) on the
 portable path: bitwise the three Int8Linear layers' numbers, in a whole model's loss and every
 gradient; what it keeps for backward; the swap, its guards and its one line. The Triton kernels
 it runs on a GPU: tests/int8_triton_interp.py (interpreter) and tests/gpu/test_int8_kernels.py."""
@@ -15,7 +16,7 @@ from torch import nn
 from dtrain.config import PrecisionConfig
 from dtrain.errors import ConfigError
 from dtrain.lowp import int8 as i8
-from dtrain.lowp import int8_swiglu as sw
+from dtrain.lowp.experimental import int8_swiglu as sw
 from dtrain.model import FeedForward, ModelConfig, build_model
 from dtrain.precision import apply_precision, build_precision
 from tests.conftest import FAST, launch, train_losses
@@ -24,18 +25,10 @@ CPU = torch.device("cpu")
 TINY = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=96, max_seq_len=64)
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for env in (i8.KERNEL_ENV, i8.QUANTIZE_ENV, i8.GRAD_INPUT_ENV, sw.SWIGLU_ENV):
-        monkeypatch.delenv(env, raising=False)
-
-
-def _int8_model(monkeypatch, swiglu: str, grad_weight: str = "bf16") -> nn.Module:
-    monkeypatch.setenv(sw.SWIGLU_ENV, swiglu)
+def _int8_model(swiglu: str, grad_weight: str = "bf16") -> nn.Module:
     model = build_model(TINY, CPU, seed=0)
-    apply_precision(
-        model, build_precision(PrecisionConfig("int8", int8_grad_weight=grad_weight), CPU)
-    )
+    cfg = PrecisionConfig("int8", int8_grad_weight=grad_weight, int8_swiglu=swiglu)
+    apply_precision(model, build_precision(cfg, CPU))
     return model
 
 
@@ -48,12 +41,10 @@ def _loss_and_grads(model: nn.Module):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("grad_input", ["input", "compute"])
 @pytest.mark.parametrize("grad_weight", ["bf16", "int8", "int8_grouped"])
-def test_fused_swiglu_is_the_three_linears_bit_for_bit(grad_weight, grad_input, monkeypatch):
-    monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)
-    ref = _int8_model(monkeypatch, "linears", grad_weight)
-    fused = _int8_model(monkeypatch, "fused", grad_weight)
+def test_fused_swiglu_is_the_three_linears_bit_for_bit(grad_weight):
+    ref = _int8_model("linears", grad_weight)
+    fused = _int8_model("fused", grad_weight)
     ffns = [m for m in fused.modules() if isinstance(m, FeedForward)]
     assert len(ffns) == TINY.n_layer and all(type(m) is not FeedForward for m in ffns)
     assert all(type(m) is FeedForward for m in ref.modules() if isinstance(m, FeedForward))
@@ -116,19 +107,14 @@ def test_the_swap_keeps_parameters_and_skips_what_it_cannot_run():
     assert sw.fuse_swiglu(half) == 0
 
 
-def test_the_mode_is_read_once_said_once_and_checked(monkeypatch, caplog):
-    assert sw.swiglu_mode() == "linears"
-    monkeypatch.setenv(sw.SWIGLU_ENV, " Fused")
+def test_the_mode_is_said_once_and_checked(caplog):
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        model = build_model(TINY, CPU, seed=0)
-        apply_precision(model, build_precision(PrecisionConfig("int8"), CPU))
+        _int8_model("fused")
     said = [r.getMessage() for r in caplog.records if "int8 SwiGLU" in r.getMessage()]
-    assert said == [
-        "int8 SwiGLU: 2 gate(s) as one function, their quantizes fused (DTRAIN_INT8_SWIGLU)"
-    ]
-    monkeypatch.setenv(sw.SWIGLU_ENV, "sideways")
-    with pytest.raises(ConfigError, match="DTRAIN_INT8_SWIGLU='sideways' is not valid; choose"):
-        i8.apply_int8(nn.Sequential(nn.Linear(8, 8)), lambda m, n: True)
+    assert said == ["int8 SwiGLU: 2 gate(s) as one function (precision.int8_swiglu)"]
+    bad = PrecisionConfig("int8", int8_swiglu="sideways")
+    with pytest.raises(ConfigError, match="precision.int8_swiglu='sideways' is not valid; choose"):
+        build_precision(bad, CPU)
 
 
 def test_fused_swiglu_compiles_in_one_graph():
@@ -191,19 +177,19 @@ def test_fused_swiglu_trains_as_the_linears_alone_and_under_fsdp(tmp_path):
     has them within the two-rank int8 tolerance of tests/test_precision_ddp.py."""
     steps = [*FAST, "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
     steps += ["precision=int8", "precision.int8_grad_weight=bf16"]
-    fused = {sw.SWIGLU_ENV: "fused"}
+    fused = ["precision.int8_swiglu=fused"]
     runs = {
         "linears": launch(*steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/l"),
         "fused": launch(
-            *steps, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/f", env_extra=fused
+            *steps, *fused, "trainer.micro_batch_size=8", f"hydra.run.dir={tmp_path}/f"
         ),
         "fsdp": launch(
             *steps,
+            *fused,
             "strategy=fsdp",
             "trainer.micro_batch_size=4",
             f"hydra.run.dir={tmp_path}/d",
             nproc=2,
-            env_extra=fused,
         ),
     }
     for name, res in runs.items():

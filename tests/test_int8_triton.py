@@ -29,7 +29,6 @@ def test_triton_kernels_in_the_interpreter():
     env = cli_env()
     env["TRITON_INTERPRET"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors only, even on a GPU machine
-    env.pop("DTRAIN_INT8_KERNEL", None)
     res = subprocess.run(
         [
             sys.executable,
@@ -139,8 +138,8 @@ def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(mon
     one-pass tiles of 8b's row, which ONE_PASS_MAX keeps out, spill or leave room for only one
     program a multiprocessor (why the bound)."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_swiglu_triton as swt
     from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
     kernels = (swt._swiglu_quantize_kernel, swt._swiglu_backward_quantize_kernel)
     for row_c in (8192, 16384):
@@ -166,8 +165,8 @@ def test_swiglu_kernels_divide_once_a_scale_not_once_a_value(monkeypatch):
     approximate); with PyTorch's eager formulas (two IEEE divisions a value) the kernels were
     slower than Inductor's loops (docs/precision.md)."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_swiglu_triton as swt
     from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
     kernels = ((swt._swiglu_quantize_kernel, 1), (swt._swiglu_backward_quantize_kernel, 3))
     for cfg in it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=8192):
@@ -263,7 +262,7 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_with_one_fused_multiply_add(m
 
 def _skip_without_gluon_compiler(monkeypatch):
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp.switches import has_gluon_hopper
+    from dtrain.lowp.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")

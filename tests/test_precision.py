@@ -182,23 +182,14 @@ def test_int8_grad_weight_bf16_is_more_accurate_and_grad_input_stays_int8():
     assert not torch.equal(sb[2], b[2])
 
 
-def test_int8_grad_input_in_the_compute_dtype_is_the_wide_one_rounded_once():
-    """grad_input="compute" (DTRAIN_INT8_GRAD_INPUT): for an fp32 input under bf16 autocast the
-    grad-input GEMM writes bf16, then the gradient is cast to fp32, as autocast's bf16 linear
-    does: the fp32-written gradient rounded to bf16, and nothing else changed. It is the
-    default."""
-    _, wide, compute, default, _ = _linear_outputs_and_grads(
-        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16", grad_input="input"),
-        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16", grad_input="compute"),
-        lambda x, w: i8.int8_linear(x, w, grad_weight="bf16"),
-    )
-    assert all(torch.equal(c, d) for c, d in zip(compute, default, strict=True))
-    assert compute[1].dtype == wide[1].dtype == torch.float32
-    assert torch.equal(compute[1], wide[1].to(torch.bfloat16).float())
-    assert not torch.equal(compute[1], wide[1])
-    assert torch.equal(compute[0], wide[0]) and torch.equal(compute[2], wide[2])
-    with pytest.raises(ValueError, match="grad_input='sideways'"):
-        i8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), grad_input="sideways")
+def test_int8_grad_input_is_written_in_the_compute_dtype():
+    """For an fp32 input under bf16 autocast the grad-input GEMM writes bf16, then the gradient
+    is cast to fp32, as autocast's bf16 linear does (writing fp32 measured slower: 1.042x bf16
+    against 1.063x, docs/benchmarks.md): every value of the fp32 gradient is a bf16 one."""
+    _, int8, _ = _linear_outputs_and_grads(lambda x, w: i8.int8_linear(x, w, grad_weight="bf16"))
+    dx = int8[1]
+    assert dx.dtype == torch.float32
+    assert torch.equal(dx, dx.to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("grad_weight", ["int8", "bf16", "int8_grouped"])
@@ -279,7 +270,9 @@ def test_long_reductions_are_chunked_without_int32_overflow(monkeypatch):
     a = torch.full((4, 96), 127, dtype=torch.int8)
     b = torch.full((8, 96), 127, dtype=torch.int8).t()
     exact = a.double() @ b.double()
-    monkeypatch.setattr(i8, "MAX_REDUCTION", 32)
+    from dtrain.lowp import int8_quant
+
+    monkeypatch.setattr(int8_quant, "MAX_REDUCTION", 32)
     assert torch.equal(i8.int_mm(a, b).double(), exact)
 
 

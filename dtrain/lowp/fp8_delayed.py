@@ -26,7 +26,7 @@ the precomputed one is already off the critical path).
   161 s with the dynamic step compiled too (bf16: 43 s), at the same speed and memory after;
   at 1b 142 s and 155 s, where the compiled first step had not reached step 5 after 300 s
   (forty-second session, bench/results/2026-12-04-gpu-s42/).
-  `DTRAIN_FP8_FIRST_STEP=compiled` compiles it too, for the A/B. Each rank's
+  `precision.fp8_first_step=compiled` compiles it too. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was
   never stopped, bit for bit, and one compile instead of two. Saved by another number of
@@ -48,8 +48,6 @@ from torch import nn
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import amax_to_scale
-
-from dtrain.lowp.switches import FP8_FIRST_STEP_CHOICES, FP8_FIRST_STEP_ENV, env_choice
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -192,11 +190,9 @@ class DelayedScaling:
         for s in self.states:  # fsdp's to_empty left them unset, and on the host if offloaded
             s.to(device)
         self._roll = torch.compile(_roll, dynamic=False) if compiled else _roll
-        # Whether a dynamic step runs eagerly: asked by the caller (where the model compiles
-        # and the strategy can run a step eagerly), unless the A/B switch says compiled.
-        self.eager_first = (
-            eager_first and env_choice(FP8_FIRST_STEP_ENV, FP8_FIRST_STEP_CHOICES) == "eager"
-        )
+        # Whether a dynamic step runs eagerly: where the model compiles, the strategy can run
+        # a step eagerly and precision.fp8_first_step=eager (the caller decides).
+        self.eager_first = eager_first
         self.reset()
 
     @classmethod

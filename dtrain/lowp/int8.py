@@ -44,19 +44,17 @@ are swapped and logged in one line):
               the scales and the cast) fused into their epilogue, and, outside torch.compile,
               a fused quantize kernel. Under torch.compile the output gradients' quantizes
               stay that kernel and Inductor fuses the others into the producers of their
-              inputs (DTRAIN_INT8_QUANTIZE below says where each runs). Same numbers as
+              inputs (precision.int8_quantize says where each runs). Same numbers as
               "torch": the integer products are exact and the fp32 dequantization is the same
               operations in the same order.
     "torch"   torch._int_mm plus eager (or Inductor-fused) dequantization: portable (CPU, any
               CUDA GPU), but on Hopper it runs CUTLASS's sm80 kernels, slower than bf16.
 
-DTRAIN_INT8_KERNEL=triton|torch forces one (A/B benchmarks); unset or `auto` chooses as above.
-DTRAIN_INT8_QUANTIZE=gradients|fused|apart|backward (default gradients) says where the quantizes
-run under compile (gradients: the output gradients' apart, the rest fused; fused: all fused;
-backward: the gradients' and transposed weights' apart, the forward's fused; apart: all apart).
-DTRAIN_INT8_GRAD_INPUT=compute|input (default compute): the dtype the grad-input GEMM writes for
-an input wider than the compute dtype (compute: bf16, then cast, as autocast's linear does;
-input: the input's dtype, fp32, from the epilogue).
+precision.int8_kernel=triton|torch forces one; `auto` chooses as above. precision.int8_quantize
+=gradients|fused|apart says where the quantizes run under compile (gradients: the output
+gradients' apart, the rest fused; fused: all fused; apart: all apart). For an input wider than
+the compute dtype the grad-input GEMM writes the compute dtype, then casts, as autocast's linear
+does.
 """
 
 from __future__ import annotations
@@ -65,134 +63,47 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dtrain.lowp.switches import env_choice
+from dtrain.lowp.int8_quant import (  # noqa: F401 - the layer's arithmetic, named here too
+    INV_QMAX,
+    MAX_REDUCTION,
+    QMAX,
+    codes,
+    dequantize,
+    int_mm,
+    quantize_rowwise,
+    scaled_int_mm,
+    triton_applies,
+)
+from dtrain.lowp.options import Int8Options
 
 log = logging.getLogger("dtrain")
+DEFAULT_OPTIONS = Int8Options()
 
-# Symmetric int8: [-127, 127] (not -128, so negation is exact and the grid is symmetric).
-QMAX = 127.0
-# The scale is amax * fp32(1/127), not amax / 127: CUDA's eager `tensor / python_scalar` is a
-# multiply by the reciprocal (1 ulp off true division in ~4.5% of rows), CPU's a true division;
-# an explicit multiply gives the same bits on CPU, CUDA and in the Triton kernel.
-INV_QMAX = 1.0 / QMAX
-# int32 accumulation overflows past 2**31 / 127**2 = 133,143 products of full-scale values;
-# longer reductions (grad_weight over many tokens) are split into chunks this long.
-MAX_REDUCTION = 131072
 # How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input), "bf16"
 # (SwitchBack: a matmul in the compute dtype from the dequantized int8 input) or "int8_grouped"
 # (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8_grouped.py).
 GRAD_WEIGHT_MODES = ("int8", "bf16", "int8_grouped")
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
-# (torch._int_mm, portable). KERNEL_ENV=auto|triton|torch overrides the choice.
+# (torch._int_mm, portable). precision.int8_kernel=auto|triton|torch overrides the choice.
 KERNELS = ("triton", "torch")
-KERNEL_CHOICES = ("auto", *KERNELS)
-KERNEL_ENV = "DTRAIN_INT8_KERNEL"
 # Where each quantize runs under torch.compile with the Triton kernels: "fused" (Inductor fuses
 # it into the kernel that produces its input) or "apart" (the Triton quantize op, a kernel of
-# its own). QUANTIZE_ENV sets it, for A/B runs: in the ninth session's 1b trace the fusion turned
-# pointwise producers into row reductions (the SwiGLU backward with w1's and w3's gradient
-# quantize took 0.72 ms a block, 0.22 ms without it), which "apart" leaves pointwise at the cost
-# of one more read of each quantized tensor. "backward" keeps only the backward's quantizes
-# apart: there the producers (the SwiGLU and RoPE backward) write their bf16 gradients anyway,
-# for SwitchBack's grad-weight, while in the forward the norms' quantizes fuse almost free
-# (6.6 ms a step against 6.3 without them) and "apart" measured 0.87x bf16's peak reserved
-# against 0.79x (thirteenth session).
-# "gradients" keeps only the output gradients' quantizes apart, the transposed weights' fused:
-# "backward" measured no faster than "fused" (1.010x bf16 against 1.003-1.012x, twenty-sixth
-# session), because the weights' quantizes as the Triton op (rows strided in memory: the
-# transposed fp32 weight) took back what the gradients' gained. "gradients" is the default: at
-# 1b on one H200 it measured 1.086x and 1.077x bf16's tokens/s against "fused"'s 1.065x and
-# 1.062x in the same calls, and 1.091x in a third, at 0.789x bf16's peak reserved against 0.794x
-# (twenty-eighth session). The first mode is the default (env_choice).
-QUANTIZE_MODES = ("gradients", "fused", "apart", "backward")
-QUANTIZE_ENV = "DTRAIN_INT8_QUANTIZE"
-# The dtype the grad-input GEMM writes when the input is wider than the compute dtype (the
-# residual stream is fp32, so q, k, v, w1 and w3 take fp32 inputs under bf16 autocast):
-# "input" writes the input's dtype (fp32) from the epilogue; "compute" writes the compute dtype
-# (bf16) and casts, which is what autocast's bf16 linear does (its grad-input is a bf16 matmul,
-# cast to fp32 by the backward of autocast's cast). "compute" halves the epilogue's writes and
-# lets the TMA GEMM's 128x256x128 tile fit (not with fp32: int8_triton._TMA_TILES). It is the
-# default: at 1b on one H200 it measured 1.063x and 1.064x bf16's tokens/s against "input"'s
-# 1.042x and 1.046x in the same calls (twenty-seventh session), at 0.794x bf16's peak reserved
-# (0.785x). GRAD_INPUT_ENV=input keeps the fp32 epilogue, for A/B runs.
-GRAD_INPUT_MODES = ("compute", "input")
-GRAD_INPUT_ENV = "DTRAIN_INT8_GRAD_INPUT"
+# its own). precision.int8_quantize sets it: in a 1b trace the fusion turned pointwise producers
+# into row reductions (the SwiGLU backward with w1's and w3's gradient quantize took 0.72 ms a
+# block, 0.22 ms without it), which "apart" leaves pointwise at the cost of one more read of
+# each quantized tensor. "gradients", the default, keeps only the output gradients' quantizes
+# apart: at 1b on one H200 it measured 1.086x and 1.077x bf16's tokens/s against "fused"'s
+# 1.065x and 1.062x in the same calls, at 0.789x bf16's peak reserved against 0.794x
+# (docs/benchmarks.md). The grad-input GEMM writes the compute dtype for a wider input (bf16,
+# then cast, as autocast's linear does): 1.063x bf16 against the fp32 epilogue's 1.042x.
+QUANTIZE_MODES = ("gradients", "fused", "apart")
 # Triton's interpreter runs the Triton kernels on CPU tensors (CPU tests of the kernels).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def codes(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 values over their scales (broadcast) -> int8: v times the scale's reciprocal (an
-    IEEE division a scale, not a value), rounded half to even, clamped to [-127, 127]. The
-    kernels compute the same bits (int8_triton.quantize_values). A multiply, not v / scale:
-    an IEEE division a value bounded the Triton quantizes on an H200 (a tile kernel quantizing
-    1b's 16,384 x 5,632 output gradient both ways: 0.379 ms with it, 0.152 with the multiply;
-    the row-wise op now runs at a plain copy's speed, 0.074 ms against 0.071:
-    bench/results/2026-12-03-gpu-s34/), and the result is at most one code from the division's
-    (the product is within about an ulp of the quotient)."""
-    return (v * torch.reciprocal(scale)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
-
-
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (R, C) float -> q (R, C) int8 row-major, scale (R, 1) fp32, with x ~ q * scale."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) * INV_QMAX
-    return codes(xf, scale).contiguous(), scale
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
-
-def int_mm(a: torch.Tensor, b: torch.Tensor, *, pad: bool | None = None) -> torch.Tensor:
-    """int8 (M, K) @ (K, N) -> int32 (M, N) via torch._int_mm, within its constraints.
-
-    `a` should be row-major and `b` column-major (b.t() contiguous). On CUDA _int_mm needs
-    M > 16 and K, N multiples of 8; other shapes are zero-padded (zeros add nothing to the dot
-    products) and the result sliced. Reductions longer than MAX_REDUCTION are chunked so the
-    int32 accumulator cannot overflow; the partial sums are added in fp32 (far more precise
-    than the int8 inputs). `pad` forces (True) or skips (False) the padding; None: on CUDA.
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    if k > MAX_REDUCTION:
-        out = None
-        for s in range(0, k, MAX_REDUCTION):
-            a_part = a[:, s : s + MAX_REDUCTION].contiguous()
-            b_part = b[s : s + MAX_REDUCTION].t().contiguous().t()  # column-major
-            part = int_mm(a_part, b_part, pad=pad).float()
-            out = part if out is None else out + part
-        return out
-    if k == 1:
-        # An outer product. torch._int_mm on CPU returns garbage for K = 1 (torch 2.13: every
-        # (M, N) tried, b (1, N) with strides (1, 1)), which a short last group of
-        # int8_grouped's reduction can be.
-        return a.int() * b.int()
-    if pad is None:
-        pad = a.device.type == "cuda"
-    if pad and (m <= 16 or k % 8 or n % 8):
-        mp, kp, np_ = max(_round_up(m, 8), 24), _round_up(k, 8), _round_up(n, 8)
-        a = F.pad(a, (0, kp - k, 0, mp - m))
-        b = F.pad(b.t(), (0, kp - k, 0, np_ - n)).t()  # stays column-major
-        return torch._int_mm(a, b)[:m, :n]
-    return torch._int_mm(a, b)
-
-
-def scaled_int_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """(a * a_scale) @ (b * b_scale) with a (M, K) int8, a_scale (M, 1), b (K, N) int8,
-    b_scale (1, N): the int32 product dequantized by the outer product of the scales."""
-    return (int_mm(a, b) * a_scale * b_scale).to(out_dtype)
 
 
 # --- which kernels ------------------------------------------------------------------------------
@@ -202,13 +113,13 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_kernel(device: torch.device | str) -> tuple[str, str]:
-    """("triton" or "torch", why) for int8 matmuls on `device`; DTRAIN_INT8_KERNEL can force
-    either (forcing "triton" takes it on any CUDA GPU, e.g. to try it on an A100)."""
+def select_kernel(device: torch.device | str, forced: str = "auto") -> tuple[str, str]:
+    """("triton" or "torch", why) for int8 matmuls on `device`; `forced`
+    (precision.int8_kernel) can force either (forcing "triton" takes it on any CUDA GPU, e.g.
+    to try it on an A100)."""
     device = torch.device(device)
-    forced = env_choice(KERNEL_ENV, KERNEL_CHOICES)
     if forced == "torch":
-        return "torch", f"{KERNEL_ENV}=torch"
+        return "torch", "precision.int8_kernel=torch"
     if device.type != "cuda":
         if _INTERPRET and forced == "triton" and _triton_installed():
             return "triton", "Triton's interpreter on CPU (TRITON_INTERPRET=1)"
@@ -218,7 +129,7 @@ def select_kernel(device: torch.device | str) -> tuple[str, str]:
     major, minor = torch.cuda.get_device_capability(device)
     name = f"{torch.cuda.get_device_name(device)}, sm{major}{minor}"
     if forced == "triton":
-        return "triton", f"{name}; forced by {KERNEL_ENV}=triton"
+        return "triton", f"{name}; forced by precision.int8_kernel=triton"
     if major < 9:
         return "torch", f"{name}: the Triton int8 kernels are for sm90+ (Hopper)"
     return "triton", name
@@ -252,30 +163,14 @@ def _triton_ops():
     return int8_triton
 
 
-def _triton_applies(t: torch.Tensor) -> bool:
-    # The Triton kernels need CUDA tensors (or the interpreter); a "triton" layer that meets
-    # CPU tensors (e.g. FSDP built on meta, then run on CPU) takes the portable path.
-    return t.is_cuda or _INTERPRET
-
-
-def quantize_mode() -> str:
-    """QUANTIZE_ENV's choice ("gradients" when unset)."""
-    return env_choice(QUANTIZE_ENV, QUANTIZE_MODES)
-
-
-def grad_input_mode() -> str:
-    """GRAD_INPUT_ENV's choice ("compute" when unset)."""
-    return env_choice(GRAD_INPUT_ENV, GRAD_INPUT_MODES)
-
-
 def _quantize(
     x: torch.Tensor, kernel: str, col_scale: torch.Tensor | None = None, apart: bool = False
 ):
     """quantize_rowwise(x * col_scale) (col_scale (C,) multiplies x's columns; None: x) with the
     chosen kernels. Under torch.compile the eager code is traced, so that Inductor fuses it into
-    the producer of x, which the opaque Triton op would prevent; unless `apart` (QUANTIZE_ENV)."""
+    the producer of x, which the opaque Triton op would prevent; unless `apart` (int8_quantize)."""
     compiled = torch.compiler.is_compiling()
-    if kernel == "triton" and _triton_applies(x) and (apart or not compiled):
+    if kernel == "triton" and triton_applies(x) and (apart or not compiled):
         return _triton_ops().quantize_rowwise(x, col_scale)
     if col_scale is not None:
         x = x.float() * col_scale.reshape(1, -1)
@@ -284,7 +179,7 @@ def _quantize(
 
 def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> torch.Tensor:
     """scaled_int_mm with the chosen kernels (b_scale may be the number 1.0: no scale)."""
-    if not (kernel == "triton" and _triton_applies(a)):
+    if not (kernel == "triton" and triton_applies(a)):
         return scaled_int_mm(a, a_scale, b, b_scale, out_dtype)
     ops = _triton_ops()
     sb = b_scale if isinstance(b_scale, torch.Tensor) else None
@@ -307,7 +202,7 @@ def _scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, kernel: str) -> t
     return out.to(out_dtype)
 
 
-# --- the matmuls of a layer, shared with dtrain/lowp/int8_swiglu.py -----------------------------
+# --- the matmuls of a layer, shared with dtrain/lowp/experimental/int8_swiglu.py ----------------
 
 
 def mm_forward(xq, xs, weight, out_dtype, kernel: str, apart: bool) -> torch.Tensor:
@@ -346,16 +241,12 @@ def mm_grad_weight(
     return torch.mm(g.to(compute_dtype).t(), x_deq).to(weight_dtype)  # (N, K)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
-
-
 def apart_flags(quantize: str) -> tuple[bool, bool, bool]:
     """(forward's, dy's, transposed weights') quantizes apart, for QUANTIZE_MODES' `quantize`."""
     return (
         quantize == "apart",
-        quantize in ("apart", "backward", "gradients"),
-        quantize in ("apart", "backward"),
+        quantize in ("apart", "gradients"),
+        quantize == "apart",
     )
 
 
@@ -364,7 +255,7 @@ def apart_flags(quantize: str) -> tuple[bool, bool, bool]:
 
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, grad_weight, kernel, quantize, grad_input):
+    def forward(ctx, x, weight, bias, out_dtype, grad_weight, kernel, quantize):
         apart, ctx.apart_g, ctx.apart_w = apart_flags(quantize)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
@@ -376,7 +267,6 @@ class _Int8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         ctx.out_dtype, ctx.grad_weight, ctx.kernel = out_dtype, grad_weight, kernel
-        ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -387,7 +277,7 @@ class _Int8LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             gq, gs = _quantize(g, kernel, apart=ctx.apart_g)  # per token, over N
-            grad_x = mm_grad_input(gq, gs, weight, ctx.grad_x_dtype, kernel, ctx.apart_w)
+            grad_x = mm_grad_input(gq, gs, weight, ctx.out_dtype, kernel, ctx.apart_w)
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = mm_grad_weight(
@@ -395,7 +285,7 @@ class _Int8LinearFn(torch.autograd.Function):
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _check_grad_weight(grad_weight: str) -> None:
@@ -416,7 +306,6 @@ def int8_linear(
     grad_weight: str = "int8",
     kernel: str = "torch",
     quantize: str = "fused",
-    grad_input: str = "compute",
 ) -> torch.Tensor:
     """F.linear with int8 matmuls. Returns autocast's dtype inside autocast, else x's dtype.
 
@@ -424,20 +313,16 @@ def int8_linear(
     output gradients scaled per 128 tokens) or "bf16" (SwitchBack: grad_weight in the compute
     dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
     (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
-    under torch.compile with "triton", "fused" into the producer, "apart", apart in the
-    backward only ("backward") or for the output gradients only ("gradients"; QUANTIZE_MODES).
-    `grad_input`: the dtype grad-input's GEMM writes for an input wider than the compute dtype,
-    the input's ("input") or the compute dtype's, then cast ("compute"; GRAD_INPUT_MODES).
+    under torch.compile with "triton", "fused" into the producer, "apart", or apart for the
+    output gradients only ("gradients"; QUANTIZE_MODES).
     """
     _check_grad_weight(grad_weight)
     _check_kernel(kernel)
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize={quantize!r}; choose one of {QUANTIZE_MODES}")
-    if grad_input not in GRAD_INPUT_MODES:
-        raise ValueError(f"grad_input={grad_input!r}; choose one of {GRAD_INPUT_MODES}")
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    args = (out_dtype, grad_weight, kernel, quantize, grad_input)
+    args = (out_dtype, grad_weight, kernel, quantize)
     return _Int8LinearFn.apply(x, weight, bias, *args)
 
 
@@ -450,7 +335,6 @@ class Int8Linear(nn.Linear):
     grad_weight: str = "int8"
     kernel: str = "torch"
     quantize: str = "fused"
-    grad_input: str = "compute"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(
@@ -460,13 +344,12 @@ class Int8Linear(nn.Linear):
             grad_weight=self.grad_weight,
             kernel=self.kernel,
             quantize=self.quantize,
-            grad_input=self.grad_input,
         )
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, grad_weight={self.grad_weight}, kernel={self.kernel}, "
-            f"quantize={self.quantize}, grad_input={self.grad_input}"
+            f"quantize={self.quantize}"
         )
 
 
@@ -476,77 +359,69 @@ def apply_int8(
     *,
     grad_weight: str = "int8",
     kernel: str | None = None,
+    options: Int8Options = DEFAULT_OPTIONS,
 ) -> int:
     """Swap, in place, every nn.Linear in `module` for which filter_fn(linear, fqn) holds;
     `grad_weight` (GRAD_WEIGHT_MODES) is how the swapped layers compute grad_weight, `kernel`
     ("triton" or "torch") which kernels run their matmuls: None chooses by the device the
-    module will run on (`select_kernel`) and logs the choice in one line.
+    module will run on (`select_kernel`, `options.kernel`) and logs the choice in one line.
+    `options`: the run's precision.int8_* choices.
 
     Returns the number of layers swapped.
     """
     _check_grad_weight(grad_weight)
     if kernel is None:
-        kernel, why = select_kernel(_default_device(module))
+        kernel, why = select_kernel(_default_device(module), options.kernel)
         _log_choice(kernel, why)
     _check_kernel(kernel)
-    # Read here, once, where a bad value stops the run before it starts; only the Triton
-    # kernels have a quantize op to keep apart.
-    quantize = quantize_mode()
-    quantize = quantize if kernel == "triton" else "fused"
-    grad_input = grad_input_mode()
-    if grad_input != GRAD_INPUT_MODES[0]:
-        log.info("int8 grad-input: written in the input's dtype (%s)", GRAD_INPUT_ENV)
+    # Only the Triton kernels have a quantize op to keep apart.
+    options = replace(options, quantize=options.quantize if kernel == "triton" else "fused")
     if kernel == "triton":
-        ops = _triton_ops()  # import (and register the ops) now, not inside a compiled region
-        if grad_weight == "int8_grouped":
-            from dtrain.lowp import int8_grouped_triton  # noqa: F401 - registers its op
-        if ops.GEMM == "pointer":
-            log.info("int8 GEMMs: the pointer-load kernel, not the TMA one (%s)", ops.GEMM_ENV)
-        elif ops.GEMM == "gluon":
-            log.info(
-                "int8 GEMMs: the warp-specialized Gluon kernel where it applies (Hopper, "
-                "scaled), else the TMA one (%s)",
-                ops.GEMM_ENV,
-            )
-        elif ops.GEMM == "fastest":
-            log.info(
-                "int8 GEMMs: per shape the faster of the Gluon and TMA kernels, timed once, "
-                "where the Gluon one applies (Hopper, scaled), else the TMA one (%s)",
-                ops.GEMM_ENV,
-            )
-        if ops.QUANTIZE_TILE != "tuned":
-            log.info(
-                "int8 quantize op: two sweeps of a fixed tile, not autotuned (%s)",
-                ops.QUANTIZE_TILE_ENV,
-            )
-        if quantize == "fused":
-            log.info(
-                "int8 quantizes: all fused into their producers by Inductor (%s)", QUANTIZE_ENV
-            )
-        elif quantize != QUANTIZE_MODES[0]:
-            where = {"apart": "", "backward": " in the backward"}[quantize]
-            log.info(
-                "int8 quantizes%s: the Triton op, apart from their producers (%s)",
-                where,
-                QUANTIZE_ENV,
-            )
-    from dtrain.lowp.int8_swiglu import SWIGLU_ENV, fuse_swiglu, swiglu_mode
-
-    swiglu = swiglu_mode()
+        _setup_triton(grad_weight, options)
     n = 0
     for fqn, m in module.named_modules():
         if type(m) is nn.Linear and filter_fn(m, fqn):
             m.__class__ = Int8Linear
             m.grad_weight = grad_weight
             m.kernel = kernel
-            m.quantize = quantize
-            m.grad_input = grad_input
+            m.quantize = options.quantize
             n += 1
-    if swiglu == "fused":
-        fused = fuse_swiglu(module)
-        log.info(
-            "int8 SwiGLU: %d gate(s) as one function, their quantizes fused (%s)",
-            fused,
-            SWIGLU_ENV,
-        )
+    if options.swiglu == "fused":
+        from dtrain.lowp.dispatch import variant
+
+        fused = variant("int8_swiglu")(module)
+        log.info("int8 SwiGLU: %d gate(s) as one function (precision.int8_swiglu)", fused)
     return n
+
+
+_QUANTIZE_KEY = "precision.int8_quantize"
+# What the Triton path says at start-up where a choice is not the default (one line each).
+_GEMM_LINES = {
+    "pointer": "the pointer-load kernel, not the TMA one",
+    "gluon": "the warp-specialized Gluon kernel where it applies (Hopper, scaled), else the "
+    "TMA one",
+    "fastest": "per shape the faster of the Gluon and TMA kernels, timed once, where the Gluon "
+    "one applies (Hopper, scaled), else the TMA one",
+}
+
+
+def _setup_triton(grad_weight: str, options: Int8Options) -> None:
+    """Import (and register) the Triton ops now, not inside a compiled region; hand them the
+    run's kernel choices; log those that are not the default."""
+    ops = _triton_ops()
+    ops.configure(gemm=options.gemm, quantize_tiles=options.quantize_tiles)
+    if grad_weight == "int8_grouped":
+        from dtrain.lowp import int8_grouped_triton
+
+        int8_grouped_triton.configure(options.grouped_gemm)
+    if options.gemm in _GEMM_LINES:
+        log.info("int8 GEMMs: %s (precision.int8_gemm)", _GEMM_LINES[options.gemm])
+    if options.quantize_tiles != "tuned":
+        log.info(
+            "int8 quantize op: two sweeps of a fixed tile, not autotuned "
+            "(precision.int8_quantize_tiles)"
+        )
+    if options.quantize == "fused":
+        log.info("int8 quantizes: all fused into their producers by Inductor (%s)", _QUANTIZE_KEY)
+    elif options.quantize == "apart":
+        log.info("int8 quantizes: the Triton op, apart from their producers (%s)", _QUANTIZE_KEY)

@@ -29,7 +29,7 @@ for the one before), which is the only overlap a self-chained accumulator allows
 
 Tiles (a consumer's BLOCK_M x BLOCK_N, BLOCK_K, stages) are timed on a shape's first call and
 the fastest kept for it (`_tuned`), as Triton's autotuner does for the Triton kernels.
-DTRAIN_INT8_GEMM=gluon chooses this kernel (dtrain/lowp/switches.py); compiled for sm_90a on CPU
+precision.int8_gemm=gluon chooses this kernel; compiled for sm_90a on CPU
 in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): warp-specialized,
 int8 wgmma on TMA stages, nothing spilled.
 """
@@ -71,7 +71,7 @@ _CONSUMERS = gl.constexpr(2)
 def _tile_offsets(
     tile_id, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr
 ):
-    """(off_m, off_n) of the tile_id-th tile in grouped order (int8_triton._grouped_tile's)."""
+    """(off_m, off_n) of the tile_id-th tile in grouped order (int8_triton.grouped_tile's)."""
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)
     first_m = (tile_id // width) * GROUP_M
@@ -171,7 +171,7 @@ def _dequantize_store(
     acc, c_ptr, a_scale_ptr, b_scale_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
     mma: gl.constexpr,
 ):  # fmt: skip
-    """int8_triton._dequantize_store's epilogue: (float(acc) * sa) * sb, cast, the rows and
+    """int8_triton.dequantize_store's epilogue: (float(acc) * sa) * sb, cast, the rows and
     columns inside (M, N) stored. 32-bit offsets: `applies` takes outputs under 2**31 values
     (64-bit ones cost the consumer a stack frame in ptxas)."""
     rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, mma))
@@ -255,8 +255,8 @@ def applies(a, b, a_scale, b_scale, out_dtype) -> bool:
     none) with Gluon for it, operands TMA reads, both scales (training's forward and
     grad-input GEMMs; the unscaled integer product takes the Triton kernels), a float output of
     under 2**31 values (the epilogue's 32-bit offsets)."""
-    from dtrain.lowp.int8_triton import _tma_ok
-    from dtrain.lowp.switches import has_gluon_hopper
+    from dtrain.lowp.gluon_support import has_gluon_hopper
+    from dtrain.lowp.kernel_common import tma_ok
 
     return (
         a_scale is not None
@@ -266,7 +266,7 @@ def applies(a, b, a_scale, b_scale, out_dtype) -> bool:
         and a.is_cuda
         and torch.cuda.get_device_capability(a.device)[0] == 9
         and has_gluon_hopper()
-        and _tma_ok(a, b)
+        and tma_ok(a, b)
     )
 
 
@@ -301,7 +301,7 @@ def _tuned(a, b, a_scale, b_scale, out) -> tuple:
     tile that fails to compile counts as infinitely slow). The sums are integers and the
     epilogue the same at every tile, so each writes the same bits: timing into `out` is
     harmless."""
-    from dtrain.lowp.int8_triton import median_ms
+    from dtrain.lowp.kernel_common import median_ms
 
     key = (*a.shape, b.shape[1], out.dtype, a.device)
     if key not in _CHOSEN:

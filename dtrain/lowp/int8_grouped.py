@@ -48,15 +48,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtrain.lowp.int8 import INV_QMAX, _triton_applies, codes, int_mm
-
-# Tokens per scale: the GEMM's BLOCK_K, so each K step of its loop is one group.
-GROUP = 128
-
-
-def group_count(tokens: int) -> int:
-    """Groups of GROUP tokens (the last one may be short): one scale per channel each."""
-    return -(-tokens // GROUP)
+from dtrain.lowp.int8_quant import (  # noqa: F401 - GROUP and group_count named here too
+    GROUP,
+    INV_QMAX,
+    codes,
+    group_count,
+    int_mm,
+    triton_applies,
+)
 
 
 def quantize_groups(g: torch.Tensor, token_scale: torch.Tensor):
@@ -118,7 +117,7 @@ def grad_weight_grouped(
     keeps the output gradients' quantizes apart: its default); else Inductor fuses the torch
     ops above, as int8._quantize does for the others."""
     xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major: K-major for the GEMM
-    if not (kernel == "triton" and _triton_applies(g)):
+    if not (kernel == "triton" and triton_applies(g)):
         return grouped_int_mm(*quantize_groups(g, xs), xq_colmajor, weight_dtype)
     from dtrain.lowp import int8_grouped_triton as igt  # registers the dtrain:: ops
 

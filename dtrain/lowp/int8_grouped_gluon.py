@@ -39,7 +39,7 @@ promotion is bound by issuing instructions, not by its latency or cvt's rate. Co
 sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas
 chained four to a wait in each consumer, nothing spilled. It runs wherever it applies
 (int8_grouped_triton.gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
-Hopper), unless DTRAIN_INT8_GROUPED_GEMM=triton (dtrain/lowp/switches.py).
+Hopper), unless precision.int8_grouped_gemm=triton.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dtrain.lowp.int8_gemm_gluon import k_major_descriptors
-from dtrain.lowp.int8_grouped import GROUP
+from dtrain.lowp.int8_quant import GROUP
 
 # Gluon is experimental and renames: Triton 3.6 has tma.async_copy_global_to_shared, Triton 3.9
 # async_load (where the old name raises).
@@ -209,7 +209,7 @@ def _int8_mm_grouped_kernel(
     gl.static_assert(BLOCK_M == _CONSUMERS * _ROWS, "64 rows a consumer")
     gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
 
-    # the output tile, grouped in GROUP_M rows of tiles (int8_triton._grouped_tile's order)
+    # the output tile, grouped in GROUP_M rows of tiles (int8_triton.grouped_tile's order)
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)

@@ -35,32 +35,27 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.int8_grouped import GROUP, group_count
+from dtrain.lowp.gluon_support import has_gluon_hopper
+from dtrain.lowp.int8_quant import GROUP, group_count
 from dtrain.lowp.int8_triton import (
     INTERPRET,
     TUNE_KWARGS,
-    _dequantize_store,
-    _grouped_tile,
-    _run,
-    _takes_tma,
-    _tma_ok,
-    _tma_pre_hook,
     chosen_configs,
+    dequantize_store,
     gemm_config,
+    grouped_tile,
     load_k_tiles,
     persistent_grid,
     quantize_values,
     row_scales,
+    run_kernel,
     small_work_pruner,
+    takes_tma,
     tile_grid,
     tile_pointers,
+    tma_ok,
     tma_operands,
-)
-from dtrain.lowp.switches import (
-    GROUPED_GEMM_CHOICES,
-    GROUPED_GEMM_ENV,
-    env_choice,
-    has_gluon_hopper,
+    tma_pre_hook,
 )
 
 # The kernels index the scales by K step: each step must be one group.
@@ -143,7 +138,7 @@ def _int8_mm_grouped_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
+    dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
         acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
     )
 
@@ -160,9 +155,9 @@ _tuned = triton.autotune(
 
 # As int8_triton's TMA GEMM: one program per SM walks the output tiles in grouped order, the
 # operand tiles come in through Hopper's tensor memory accelerator (zeros past the edges, so a
-# short last group needs no mask). Taken where int8_triton's is (`_takes_tma`: a large problem,
-# operands TMA can read, DTRAIN_INT8_GEMM=tma); the pointer kernel above everywhere else.
-_TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TILES]
+# short last group needs no mask). Taken where int8_triton's is (`takes_tma`: a large problem,
+# operands TMA can read, precision.int8_gemm=tma); the pointer kernel above everywhere else.
+_TMA_CONFIGS = [gemm_config(*t, pre_hook=tma_pre_hook) for t in _TILES]
 
 
 @triton.jit
@@ -188,7 +183,7 @@ def _int8_mm_grouped_tma_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         s_ptrs = s_ptr + (offs_m % M).to(tl.int64) * stride_sm  # rows past M: one inside
@@ -199,7 +194,7 @@ def _int8_mm_grouped_tma_kernel(
             part = tl.dot(a, b.T, out_dtype=tl.int32)  # this group's exact sum
             s = tl.load(s_ptrs + j * stride_sg)
             acc = _scaled_add(acc, part.to(tl.float32), s[:, None])
-        _dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
+        dequantize_store(  # no scales left: the fp32 sums cast and stored inside (M, N)
             acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, False, False
         )
 
@@ -210,14 +205,16 @@ _tma_tuned = triton.autotune(configs=_TMA_CONFIGS, key=["M", "N", "K"], **TUNE_K
 
 
 def launch_tma(a, b, a_scale, out, config: tuple | None = None) -> None:
-    """The persistent TMA kernel into `out` (operands `_takes_tma`); `config` as `launch`."""
+    """The persistent TMA kernel into `out` (operands `takes_tma`); `config` as `launch`."""
     m, k = a.shape
     n = b.shape[1]
     a_desc, b_desc, sms = tma_operands(a, b, config)
     args = (a_desc, b_desc, out, a_scale, m, n, k, out.stride(0), out.stride(1))
     args += (a_scale.stride(0), a_scale.stride(1))
     grid = persistent_grid(m, n, sms)
-    _run(_int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {"NUM_SMS": sms}, config, a.device)
+    run_kernel(
+        _int8_mm_grouped_tma_kernel, _tma_tuned, grid, args, {"NUM_SMS": sms}, config, a.device
+    )
 
 
 def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
@@ -245,7 +242,7 @@ def launch(a, b, a_scale, out, config: tuple | None = None) -> None:
     if INTERPRET:
         config = _INTERPRET_CONFIG
     flags = {"EVEN_K": k % GROUP == 0}
-    _run(_int8_mm_grouped_kernel, _tuned, tile_grid(m, n), args, flags, config, a.device)
+    run_kernel(_int8_mm_grouped_kernel, _tuned, tile_grid(m, n), args, flags, config, a.device)
 
 
 def tuned_configs() -> dict:
@@ -356,20 +353,25 @@ def _(g, token_scale):
 
 # Which kernel runs the grouped GEMM on Hopper: the Gluon one (dtrain/lowp/int8_grouped_gluon.py)
 # where this Triton has Gluon for Hopper ("auto", the default) or always ("gluon"), or the Triton
-# ones above ("triton"): DTRAIN_INT8_GROUPED_GEMM, checked at launch (dtrain/lowp/switches.py),
-# read when this module loads.
-GROUPED_GEMM = env_choice(GROUPED_GEMM_ENV, GROUPED_GEMM_CHOICES)
+# ones above ("triton"): precision.int8_grouped_gemm, set where the layers are swapped.
+GROUPED_GEMM = "auto"
 
 
 def gluon_applies(a, b) -> bool:
     """Whether the Gluon kernel can run these operands: on Hopper itself (its wgmma is sm_90's;
     Blackwell has none), operands TMA can read."""
-    return a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and _tma_ok(a, b)
+    return a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and tma_ok(a, b)
+
+
+def configure(choice: str) -> None:
+    """The run's precision.int8_grouped_gemm, for int8_mm_grouped to read."""
+    global GROUPED_GEMM
+    GROUPED_GEMM = choice
 
 
 @contextlib.contextmanager
 def grouped_gemm(choice: str):
-    """int8_mm_grouped on `choice` (one of GROUPED_GEMM_CHOICES) inside the block: for the
+    """int8_mm_grouped on `choice` (auto, gluon or triton) inside the block: for the
     benchmark's columns and the GPU check, which time or test each kernel through it."""
     global GROUPED_GEMM
     before, GROUPED_GEMM = GROUPED_GEMM, choice
@@ -423,7 +425,7 @@ def int8_mm_grouped(a, b, a_scale, out_dtype):
         from dtrain.lowp import int8_grouped_gluon  # Gluon: imported only where it runs
 
         int8_grouped_gluon.launch(a, b, a_scale, out)
-    elif _takes_tma(a, b):
+    elif takes_tma(a, b):
         launch_tma(a, b, a_scale, out)
     else:
         launch(a, b, a_scale, out)

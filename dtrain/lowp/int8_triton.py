@@ -14,7 +14,8 @@ BLOCK_M a multiple of 64, BLOCK_K >= 32, 4 or 8 warps), which is what these kern
         the result is bitwise equal to the eager path), without the int32 product ever
         reaching memory. out_dtype=int32 without scales returns the integer product itself.
         Two kernels compute it: a persistent one with TMA loads (large problems on a GPU whose
-        operands have 16-byte-aligned rows; GEMM_ENV) and one with pointer loads (the rest).
+        operands have 16-byte-aligned rows; precision.int8_gemm) and one with pointer loads (the
+        rest).
     quantize_rowwise(x, col_scale)
         x (R, C) float, any strides; col_scale (C,) fp32 or None multiplies x's columns first.
         Returns q (R, C) int8 row-major and scale (R, 1) fp32 with x ~ q * scale: the abs-max
@@ -50,13 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.switches import (
-    GEMM_ENV,
-    GEMM_VARIANTS,
-    QUANTIZE_TILE_CHOICES,
-    QUANTIZE_TILE_ENV,
-    env_choice,
-)
+from dtrain.lowp.kernel_common import bench_or_skip, median_ms, tma_ok  # noqa: F401 - shared
 
 try:  # Triton >= 3.0 dispatches libdevice per backend here
     from triton.language.extra import libdevice
@@ -98,16 +93,9 @@ _GROUP_M = 8
 # applies: Hopper, both scales, operands TMA reads; "tma" elsewhere) or "fastest" (per
 # problem the faster of "gluon" and "tma", timed once where the Gluon kernel applies: the Gluon
 # kernel was 1.09-1.17x the TMA one at K >= 5632 and 0.83-0.86x at K = 2048 on an H200,
-# bench/results/2026-12-03-gpu-s36/; both write the same bits). GEMM_ENV sets it (A/B
-# runs; its choices are in dtrain/lowp/switches.py, which checks it at launch without importing
-# Triton); a bad value is a ConfigError when this module loads.
-
-
-def gemm_variant() -> str:
-    return env_choice(GEMM_ENV, GEMM_VARIANTS)
-
-
-GEMM = gemm_variant()
+# bench/results/2026-12-03-gpu-s36/; both write the same bits). precision.int8_gemm sets it
+# (configure), once, where the layers are swapped: the ops take tensors only.
+GEMM = "tma"
 
 
 def gemm_config(bm: int, bn: int, bk: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
@@ -137,7 +125,7 @@ _SMALL_CONFIG = gemm_config(*_SMALL)
 
 
 @triton.jit
-def _grouped_tile(
+def grouped_tile(
     tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
 ):
     """(pid_m, pid_n) of the tile_id-th tile in grouped order: GROUP_M tile-rows share the same
@@ -152,7 +140,7 @@ def _grouped_tile(
 
 
 @triton.jit
-def _dequantize_store(
+def dequantize_store(
     acc,
     c_ptr,
     a_scale_ptr,
@@ -194,7 +182,7 @@ def tile_pointers(
     """This program's output tile (grouped order) for a pointer-load GEMM: its rows and columns
     (offs_m, offs_n), its rows as 64-bit offsets inside M, the K offsets and the first K step's
     operand pointers, a (BM, BK) and b (BK, BN)."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows/columns past the edge read row/column (i mod M) instead: always in bounds, no mask
@@ -254,7 +242,7 @@ def _int8_mm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    _dequantize_store(
+    dequantize_store(
         acc,
         c_ptr,
         a_scale_ptr,
@@ -270,28 +258,10 @@ def _int8_mm_kernel(
     )
 
 
-def _bench_or_skip(kernel_call, quantiles):
-    """Autotuning's timer, shorter than Triton's default (25 + 100 ms a config), and a config
-    that fails to compile is skipped (timed as infinite) rather than failing the run."""
-    try:
-        return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
-    except Exception as e:  # noqa: BLE001 - any compile failure of one config
-        if "out of memory" in str(e) or "illegal" in str(e):
-            raise
-        return [float("inf")] * len(quantiles)
-
-
-def median_ms(kernel_call) -> float:
-    """kernel_call's median time with autotuning's timer (`_bench_or_skip`: infinite where it
-    fails to compile), for a choice among kernels made outside triton.autotune."""
-    # autotuning's quantiles: with one, do_bench returns a bare float
-    return _bench_or_skip(kernel_call, [0.5, 0.2, 0.8])[0]
-
-
 TUNE_KWARGS: dict = {}
 _TUNE_PARAMS = inspect.signature(triton.autotune).parameters
 if "do_bench" in _TUNE_PARAMS:  # Triton >= 3.2
-    TUNE_KWARGS["do_bench"] = _bench_or_skip
+    TUNE_KWARGS["do_bench"] = bench_or_skip
 if "cache_results" in _TUNE_PARAMS:  # the choice per shape kept on disk: a second run skips it
     TUNE_KWARGS["cache_results"] = True
 _int8_mm_tuned = triton.autotune(
@@ -331,7 +301,7 @@ def _launch_int8_mm(a, b, out, a_scale, b_scale, config: tuple | None = None) ->
     }
     if INTERPRET:
         config = _INTERPRET_CONFIG
-    _run(_int8_mm_kernel, _int8_mm_tuned, tile_grid(m, n), args, flags, config, a.device)
+    run_kernel(_int8_mm_kernel, _int8_mm_tuned, tile_grid(m, n), args, flags, config, a.device)
 
 
 def tile_grid(m: int, n: int):
@@ -343,7 +313,7 @@ def tile_grid(m: int, n: int):
     return grid
 
 
-def _run(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None:
+def run_kernel(kernel, tuned, grid, args, flags, config: tuple | None, device) -> None:
     """kernel[grid](*args) with `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
     or the autotuned `tuned` when config is None, on `device` (CUDA, or the interpreter's CPU)."""
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -368,7 +338,7 @@ _TMA_TILES = [
     # memory comes on top of the operand stages: 128x256 with a 4-byte output (fp32 or int32)
     # needs 278,552 bytes, over the H200's 232,448, and 256x128 with an unscaled int32 one
     # (it fits with fp32: bench/results/2026-12-01-gpu-s26/call4_tile_check/). Autotuning
-    # times such a config as infinite (`_bench_or_skip`) and picks among the rest; with bf16
+    # times such a config as infinite (`bench_or_skip`) and picks among the rest; with bf16
     # outputs, what training's forward writes, both fit. Leaving them out (f3595b7) made 17 of
     # the 21 1b and 8b GEMMs 11-23% slower (bench/results/2026-12-01-gpu-s26/: w2's forward
     # at 1b 0.364 against 0.306 ms, one call).
@@ -381,13 +351,13 @@ _TMA_TILES = [
 ]
 
 
-def _tma_pre_hook(nargs):
+def tma_pre_hook(nargs):
     # Autotuning tries several tiles with the same descriptors: each config sets its own boxes.
     nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-_TMA_CONFIGS = [gemm_config(*t, pre_hook=_tma_pre_hook) for t in _TMA_TILES]
+_TMA_CONFIGS = [gemm_config(*t, pre_hook=tma_pre_hook) for t in _TMA_TILES]
 
 
 @triton.jit
@@ -414,7 +384,7 @@ def _int8_mm_tma_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # (BM, BK)
@@ -422,7 +392,7 @@ def _int8_mm_tma_kernel(
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _dequantize_store(
+        dequantize_store(
             acc,
             c_ptr,
             a_scale_ptr,
@@ -460,27 +430,14 @@ def tuned_configs() -> dict:
     )
 
 
-def _tma_ok(a, b) -> bool:
-    """TMA can read both operands: a row-major, b column-major, 16-byte-aligned bases and rows."""
-    bt = b.t()
-    return (
-        a.stride(1) == 1
-        and bt.stride(1) == 1
-        and a.stride(0) % 16 == 0
-        and bt.stride(0) % 16 == 0
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
-    )
-
-
 def _has_tma(device: torch.device) -> bool:
     """Compute capability 9.0+ (Hopper): the GPUs with a tensor memory accelerator. The Triton
-    kernels can be forced onto older GPUs (DTRAIN_INT8_KERNEL=triton), where only the pointer
+    kernels can be forced onto older GPUs (precision.int8_kernel=triton), where only the pointer
     kernel compiles."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _takes_tma(a, b) -> bool:
+def takes_tma(a, b) -> bool:
     """Whether int8_mm runs the persistent TMA kernel: GEMM says so, a large problem on a GPU
     with TMA, operands TMA can read."""
     m, k = a.shape
@@ -489,7 +446,7 @@ def _takes_tma(a, b) -> bool:
         and a.is_cuda
         and m * b.shape[1] * k >= _SMALL_WORK
         and _has_tma(a.device)
-        and _tma_ok(a, b)
+        and tma_ok(a, b)
     )
 
 
@@ -528,19 +485,19 @@ def _gluon_is_faster(a, b, a_scale, b_scale, out) -> bool:
 
 def tma_operands(a, b, config: tuple | None = None):
     """(a_desc, b_desc, SMs) for a persistent TMA GEMM of a (M, K) row-major and b (K, N)
-    column-major (`_tma_ok`): the descriptors' boxes are set per config by `_tma_pre_hook`
+    column-major (`tma_ok`): the descriptors' boxes are set per config by `tma_pre_hook`
     (autotuning calls it), or here for a fixed `config` (BLOCK_M, BLOCK_N, BLOCK_K, ...)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a.shape
     n = b.shape[1]
     bt = b.t()  # (N, K) row-major
-    box = [1, 16]  # a placeholder: _tma_pre_hook sets each config's boxes
+    box = [1, 16]  # a placeholder: tma_pre_hook sets each config's boxes
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], box)
     b_desc = TensorDescriptor(bt, [n, k], [bt.stride(0), 1], box)
     if config is not None:  # a fixed config runs without the autotuner that calls the hook
         tiles = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), config[:3], strict=True))
-        _tma_pre_hook({"a_desc": a_desc, "b_desc": b_desc, **tiles})
+        tma_pre_hook({"a_desc": a_desc, "b_desc": b_desc, **tiles})
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     return a_desc, b_desc, sms
 
@@ -555,7 +512,7 @@ def persistent_grid(m: int, n: int, sms: int):
 
 
 def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None) -> None:
-    """The persistent TMA GEMM into `out` (operands `_tma_ok`); `config` as `_launch_int8_mm`."""
+    """The persistent TMA GEMM into `out` (operands `tma_ok`); `config` as `_launch_int8_mm`."""
     m, k = a.shape
     n = b.shape[1]
     a_desc, b_desc, sms = tma_operands(a, b, config)
@@ -574,7 +531,7 @@ def _launch_int8_mm_tma(a, b, out, a_scale, b_scale, config: tuple | None = None
     )
     flags = {"HAS_A_SCALE": a_scale is not None, "HAS_B_SCALE": b_scale is not None, "NUM_SMS": sms}
     grid = persistent_grid(m, n, sms)
-    _run(_int8_mm_tma_kernel, _int8_mm_tma_tuned, grid, args, flags, config, a.device)
+    run_kernel(_int8_mm_tma_kernel, _int8_mm_tma_tuned, grid, args, flags, config, a.device)
 
 
 def _check_mm(a, b, a_scale, b_scale, out_dtype) -> None:
@@ -614,7 +571,7 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
         from dtrain.lowp import int8_gemm_gluon  # Gluon: imported only where it runs
 
         int8_gemm_gluon.launch(a, b, sa, sb, out)
-    elif _takes_tma(a, b):
+    elif takes_tma(a, b):
         _launch_int8_mm_tma(a, b, out, sa, sb)
     else:
         _launch_int8_mm(a, b, out, sa, sb)
@@ -849,15 +806,21 @@ QUANTIZE_TILES = [
 _quantize_rowwise_tuned = tuned_rows(
     _quantize_rowwise_kernel, row_tile_configs(QUANTIZE_TILES), ["R", "C", "HAS_COL_SCALE"]
 )
-# QUANTIZE_TILE_ENV=sweeps keeps the op on two sweeps of quantize_blocks' fixed tile (A/B runs).
-QUANTIZE_TILE = env_choice(QUANTIZE_TILE_ENV, QUANTIZE_TILE_CHOICES)
+# precision.int8_quantize_tiles=sweeps keeps the op on two sweeps of quantize_blocks' fixed tile.
+QUANTIZE_TILE = "tuned"
+
+
+def configure(*, gemm: str, quantize_tiles: str) -> None:
+    """The run's precision.int8_gemm and int8_quantize_tiles, for the ops to read."""
+    global GEMM, QUANTIZE_TILE
+    GEMM, QUANTIZE_TILE = gemm, quantize_tiles
 
 
 def quantize_rows(x, col_scale=None, *, one_pass: bool | None = None):
     """quantize_rowwise's computation. On a GPU, rows contiguous in memory are autotuned among
     QUANTIZE_TILES; `one_pass` (True or False) forces one pass or two sweeps with a fixed tile
-    (tests and benchmarks), as QUANTIZE_TILE_ENV=sweeps does for the sweeps; transposed views
-    and the interpreter take a fixed tile too (launch_rows)."""
+    (tests and benchmarks), as precision.int8_quantize_tiles=sweeps does for the sweeps;
+    transposed views and the interpreter take a fixed tile too (launch_rows)."""
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_rowwise takes a 2-d float tensor, got {x.dtype} {x.shape}")
     r, c = x.shape

@@ -5,8 +5,8 @@ not). Tensors under 4096 elements keep fp32 moments (torchao's rule: too small t
 dtrain steps it in a few compiled calls instead of torchao's one per tensor (GroupedAdamW8bit):
 the same states, arithmetic and checkpoints, less host time. On CUDA each fp32 parameter whose
 two moments are 8-bit is stepped by one Triton kernel instead (dtrain/lowp/optim8bit_triton.py:
-the blocks in registers, 16 bytes moved a parameter against Inductor's 32);
-DTRAIN_OPTIM8BIT=compiled keeps every tensor on the compiled path (A/B runs)."""
+the blocks in registers, 16 bytes moved a parameter against Inductor's 32; at 8b's shapes
+32.1 ms a step against the compiled path's 41.3 ms, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -132,8 +132,6 @@ def fused_kernel_takes(item) -> bool:
     of its shape, both moments 8-bit in torchao's maps, the step count on the host (no sync to
     read it)."""
     p, grad, step, exp_avg, exp_avg_sq = item
-    if os.environ.get("DTRAIN_OPTIM8BIT", "triton") != "triton":
-        return False
     if not (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return (
@@ -229,66 +227,7 @@ def grouped_adamw8bit_class() -> type:
                 with torch.enable_grad():
                     loss = closure()
             for g, group in enumerate(self.param_groups):
-                if group["amsgrad"]:
-                    raise ValueError("GroupedAdamW8bit does not implement amsgrad")
-                if not isinstance(group["lr"], torch.Tensor):
-                    raise RuntimeError(
-                        "lr must stay a tensor: set it with param_groups[i]['lr'].fill_(lr)"
-                    )
-                items, steps, present = [], [], []
-                for i, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    present.append(i)
-                    if p.grad.is_sparse:
-                        raise RuntimeError("Sparse gradient is not supported")
-                    state = self.state[p]
-                    if len(state) == 0:  # as torchao initialises it
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    steps.append(state["step"])
-                    items.append(
-                        (
-                            _local(p.detach()),
-                            _local(p.grad),
-                            state["step"],
-                            _state_parts(state["exp_avg"]),
-                            _state_parts(state["exp_avg_sq"]),
-                        )
-                    )
-                if not items:
-                    continue
-                torch._foreach_add_(steps, 1.0)
-                beta1, beta2 = group["betas"]
-                sr = self.bf16_stochastic_round
-                key = (g, tuple(present))
-                if key not in self._chunks:
-                    fused = [k for k, item in enumerate(items) if fused_kernel_takes(item)]
-                    taken = set(fused)
-                    rest = [item for k, item in enumerate(items) if k not in taken]
-                    at = {id(item): k for k, item in enumerate(items)}
-                    chunks = [[at[id(item)] for item in c] for c in chunks_of_like_tensors(rest)]
-                    self._chunks[key] = (fused, chunks)
-                fused, chunks = self._chunks[key]
-                if fused:
-                    from dtrain.lowp.optim8bit_triton import adamw8bit_step
-
-                    # torchao keeps lr a CPU tensor: read without a sync (one a group if not)
-                    lr = float(group["lr"])
-                    for k in fused:
-                        p, grad, step, exp_avg, exp_avg_sq = items[k]
-                        adamw8bit_step(
-                            p, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
-                            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                        )  # fmt: skip
-                # Like torchao: the graphs are the model's, fixed in number; no cache limit.
-                with torch._dynamo.utils.disable_cache_limit():
-                    for chunk in chunks:
-                        self._update(
-                            [items[k] for k in chunk], group["lr"], beta1, beta2,
-                            group["weight_decay"], group["eps"], sr,
-                        )  # fmt: skip
+                _step_group(self, g, group)
             return loss
 
     _GroupedAdamW8bit = GroupedAdamW8bit
@@ -296,3 +235,70 @@ def grouped_adamw8bit_class() -> type:
 
 
 _GroupedAdamW8bit = None
+
+
+def _group_items(opt, group) -> tuple[list, list, list]:
+    """(items, step counters, positions) of the parameters of `group` with gradients: each
+    item (param, grad, step, exp_avg parts, exp_avg_sq parts) as plain tensors, the states made
+    as torchao makes them on first use."""
+    if group["amsgrad"]:
+        raise ValueError("GroupedAdamW8bit does not implement amsgrad")
+    if not isinstance(group["lr"], torch.Tensor):
+        raise RuntimeError("lr must stay a tensor: set it with param_groups[i]['lr'].fill_(lr)")
+    items, steps, present = [], [], []
+    for i, p in enumerate(group["params"]):
+        if p.grad is None:
+            continue
+        present.append(i)
+        if p.grad.is_sparse:
+            raise RuntimeError("Sparse gradient is not supported")
+        state = opt.state[p]
+        if len(state) == 0:  # as torchao initialises it
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = opt._new_buffer(p, True)
+            state["exp_avg_sq"] = opt._new_buffer(p, False)
+        steps.append(state["step"])
+        exp_avg, exp_avg_sq = _state_parts(state["exp_avg"]), _state_parts(state["exp_avg_sq"])
+        items.append((_local(p.detach()), _local(p.grad), state["step"], exp_avg, exp_avg_sq))
+    return items, steps, present
+
+
+def _group_plan(items: list) -> tuple[list[int], list[list[int]]]:
+    """The positions the Triton kernel steps and the chunks of the rest, one compiled call
+    each."""
+    fused = [k for k, item in enumerate(items) if fused_kernel_takes(item)]
+    taken = set(fused)
+    rest = [item for k, item in enumerate(items) if k not in taken]
+    at = {id(item): k for k, item in enumerate(items)}
+    return fused, [[at[id(item)] for item in c] for c in chunks_of_like_tensors(rest)]
+
+
+def _step_group(opt, g: int, group) -> None:
+    """One optimizer step of param group `g`: its fp32 8-bit tensors by the Triton kernel, the
+    rest a chunk of like tensors per compiled call."""
+    items, steps, present = _group_items(opt, group)
+    if not items:
+        return
+    torch._foreach_add_(steps, 1.0)
+    beta1, beta2 = group["betas"]
+    key = (g, tuple(present))
+    if key not in opt._chunks:
+        opt._chunks[key] = _group_plan(items)
+    fused, chunks = opt._chunks[key]
+    if fused:
+        from dtrain.lowp.optim8bit_triton import adamw8bit_step
+
+        lr = float(group["lr"])  # torchao keeps lr a CPU tensor: read without a sync
+        for k in fused:
+            p, grad, step, exp_avg, exp_avg_sq = items[k]
+            adamw8bit_step(
+                p, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=group["weight_decay"], eps=group["eps"],
+            )  # fmt: skip
+    # Like torchao: the graphs are the model's, fixed in number; no cache limit.
+    with torch._dynamo.utils.disable_cache_limit():
+        for chunk in chunks:
+            opt._update(
+                [items[k] for k in chunk], group["lr"], beta1, beta2, group["weight_decay"],
+                group["eps"], opt.bf16_stochastic_round,
+            )  # fmt: skip

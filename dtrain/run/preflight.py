@@ -96,10 +96,9 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     refuse_resume_never(cfg)
     check_fits(cfg)
-    if cfg.precision.name in ("int8", "fp8"):  # read later, after Hydra's first writes
-        from dtrain.lowp.switches import check_switches
+    from dtrain.precision import check_kernels  # what Gluon needs, before Hydra's first writes
 
-        check_switches(cfg.precision.name)
+    check_kernels(cfg.precision)
     return cfg
 
 

@@ -61,7 +61,7 @@ def main() -> int:
                 launch = partial(gg.launch, a, b, sa, sb, tile=tile)
                 runs(f"{dtype} tile {tile}", launch, want, (m, n, k), failures)
             runs(f"{dtype} tuned", partial(gg.launch, a, b, sa, sb), want, (m, n, k), failures)
-    # int8_mm's dispatch with DTRAIN_INT8_GEMM=gluon: scaled large problems take it (the same
+    # int8_mm's dispatch with precision.int8_gemm=gluon: scaled large problems take it (the same
     # bits), the unscaled integer product the TMA kernel
     took = []
     launch, tma = gg.launch, it._launch_int8_mm_tma

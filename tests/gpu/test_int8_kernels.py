@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dtrain.lowp import int8 as i8
+from dtrain.lowp.options import Int8Options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,14 +31,6 @@ pytestmark = [
 # 1b (d 2048, ffn 5632, 16384 tokens) and 8b (d 4096, kv 1024, ffn 14336, 8192 tokens).
 ODD = [(33, 70, 100), (1, 1, 16), (257, 129, 64), (17, 8, 300), (1000, 1000, 1000), (130, 200, 72)]
 LARGE = [(16384, 5632, 2048), (16384, 2048, 5632), (8192, 1024, 4096), (4096, 14336, 4096)]
-
-
-@pytest.fixture(autouse=True)
-def _no_ab_switches(monkeypatch):
-    """The tests set the DTRAIN_INT8_* A/B switches they use; none leaks in from a benchmark's
-    environment (bench/lowp.sh exports them)."""
-    for env in ("DTRAIN_INT8_QUANTIZE", "DTRAIN_INT8_GRAD_INPUT", "DTRAIN_INT8_SWIGLU"):
-        monkeypatch.delenv(env, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,6 @@ def _operands(m, n, k, seed=0):
 
 
 def test_sm90_takes_the_triton_kernels(monkeypatch, caplog):
-    monkeypatch.delenv(i8.KERNEL_ENV, raising=False)
     monkeypatch.setattr(i8, "_LOGGED", set())
     kernel, why = i8.select_kernel("cuda")
     if torch.cuda.get_device_capability() < (9, 0):
@@ -112,7 +104,7 @@ def test_every_tma_config_is_exact(it, i):
     config = it._TMA_TILES[i]
     for m, n, k in [(2048 + 64, 1024 + 48, 1024), (1000, 520, 1040)]:
         a, b, sa, sb = _operands(m, n, k)
-        assert it._tma_ok(a, b)
+        assert it.tma_ok(a, b)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         it._launch_int8_mm_tma(a, b, out, sa.reshape(-1), sb.reshape(-1), config=config)
         assert torch.equal(out, i8.scaled_int_mm(a, sa, b, sb, torch.bfloat16)), (config, m, n, k)
@@ -154,7 +146,7 @@ def test_tma_autotuning_skips_the_tiles_that_do_not_fit(it):
 
 def test_large_problems_take_the_tma_gemm(it, monkeypatch):
     """int8_mm's dispatch: TMA (the default) for large problems with 16-byte rows, the pointer
-    kernel where TMA cannot read the operands (K = 1000) or DTRAIN_INT8_GEMM=pointer says so."""
+    kernel where TMA cannot read the operands (K = 1000) or precision.int8_gemm=pointer says so."""
     took = []
     tma, ptr = it._launch_int8_mm_tma, it._launch_int8_mm
     monkeypatch.setattr(
@@ -237,7 +229,7 @@ def test_quantize_rowwise_equals_eager_bitwise(it, r, c, dtype):
 def test_every_quantize_tile_autotuning_may_choose_is_exact(it, r, c, monkeypatch):
     """Each QUANTIZE_TILES config prune_row_tiles offers for the row, launched as autotuning
     launches it, against the eager quantize bit for bit (bf16 activations, as training's)."""
-    monkeypatch.setattr(it, "QUANTIZE_TILE", "tuned")  # whatever the environment says
+    monkeypatch.setattr(it, "QUANTIZE_TILE", "tuned")  # whatever an earlier test configured
     g = torch.Generator(device="cuda").manual_seed(c)
     x = (torch.randn(r, c, device="cuda", generator=g) * 3).bfloat16()
     qe, se = i8.quantize_rowwise(x)
@@ -293,10 +285,8 @@ def _train(model, steps=3, compile=False):
     return losses, first
 
 
-@pytest.mark.parametrize("grad_input", ["input", "compute"])
 @pytest.mark.parametrize("grad_weight", ["bf16", "int8", "int8_grouped"])
-def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight, grad_input, monkeypatch):
-    monkeypatch.setenv(i8.GRAD_INPUT_ENV, grad_input)  # the fp32 input's gradient: bf16 GEMM?
+def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight):
     ref, tri = _mlp(), _mlp()
     i8.apply_int8(ref, lambda m, n: True, grad_weight=grad_weight, kernel="torch")
     i8.apply_int8(tri, lambda m, n: True, grad_weight=grad_weight, kernel="triton")
@@ -307,18 +297,18 @@ def test_a_training_step_is_the_portable_paths_bit_for_bit(grad_weight, grad_inp
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("quantize", ["fused", "apart", "backward", "gradients"])
-def test_compiled_training_steps_match_the_portable_path(quantize, monkeypatch):
+@pytest.mark.parametrize("quantize", ["fused", "apart", "gradients"])
+def test_compiled_training_steps_match_the_portable_path(quantize):
     """torch.compile: Triton GEMMs (opaque custom ops) and Inductor's fused quantize (or, with
-    DTRAIN_INT8_QUANTIZE=apart, the Triton quantize op), against the eager portable path:
+    precision.int8_quantize=apart, the Triton quantize op), against the eager portable path:
     close, not equal (Inductor fuses the quantize into its producer without rounding that to
     bf16 first, and divides with its own rounding: the int8 values move by one step here and
     there, about the size of int8's own rounding)."""
-    monkeypatch.setenv(i8.QUANTIZE_ENV, quantize)
     torch._dynamo.reset()
     ref, tri = _mlp(), _mlp()
-    i8.apply_int8(ref, lambda m, n: True, grad_weight="bf16", kernel="torch")
-    i8.apply_int8(tri, lambda m, n: True, grad_weight="bf16", kernel="triton")
+    options = Int8Options(quantize=quantize)
+    i8.apply_int8(ref, lambda m, n: True, grad_weight="bf16", kernel="torch", options=options)
+    i8.apply_int8(tri, lambda m, n: True, grad_weight="bf16", kernel="triton", options=options)
     loss_r, first_r = _train(ref)
     loss_t, first_t = _train(tri, compile=True)
     for name, r, t in zip(["y", "dx", "dw1", "dw2"], first_r, first_t, strict=True):
@@ -354,7 +344,7 @@ def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k, choice):
         assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.float32), ref)
         assert torch.equal(igt.int8_mm_grouped(a, b, s, torch.bfloat16), ref.bfloat16())
     if n * m * k >= 2**30 and torch.cuda.get_device_capability() >= (9, 0) and it.GEMM == "tma":
-        assert it._takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
+        assert it.takes_tma(a, b)  # 1b's shapes: the persistent TMA kernel
 
 
 def test_every_grouped_tile_autotuning_may_choose_is_exact():
@@ -397,14 +387,14 @@ def _run_check(script: str, what: str, timeout: int) -> None:
 def _skip_without_gluon_hopper() -> None:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels' wgmma is Hopper's (sm_90)")
-    from dtrain.lowp.switches import has_gluon_hopper
+    from dtrain.lowp.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")
 
 
 def test_gluon_gemm_is_the_portable_paths_bit_for_bit():
-    """The warp-specialized Gluon GEMM (dtrain/lowp/int8_gemm_gluon.py; DTRAIN_INT8_GEMM=gluon)
+    """The warp-specialized Gluon GEMM (dtrain/lowp/int8_gemm_gluon.py; precision.int8_gemm=gluon)
     on Hopper at each tile and the tuned one, three times each, bf16 and fp32 out: edges in M, N
     and K, K under one step, fewer tiles than SMs, one tile, 1b's and 8b's GEMMs (every element
     stored: none left NaN); and int8_mm taking it for scaled products and the TMA kernel for the
@@ -441,7 +431,7 @@ def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n):
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), block_n
 
 
-# --- the fused SwiGLU (dtrain/lowp/int8_swiglu.py, DTRAIN_INT8_SWIGLU=fused) ---------------------
+# --- the fused SwiGLU (dtrain/lowp/experimental/int8_swiglu.py, precision.int8_swiglu=fused) ----
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
@@ -454,7 +444,7 @@ def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c, one_pass):
     the gradients the kernel returned, and the backward's codes of h are the forward's."""
     import torch.nn.functional as F
 
-    from dtrain.lowp import int8_swiglu_triton as swt
+    from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
     g = torch.Generator(device="cuda").manual_seed(0)
     a, b, dh = (
@@ -482,7 +472,7 @@ def test_swiglu_kernels_compute_eagers_gate_and_quantizes(r, c, one_pass):
 def test_swiglu_kernels_one_pass_and_two_sweeps_are_the_same_bits(r, c):
     """Both ways run the same jitted arithmetic, compiled: every output the same bits, and
     the ops' (autotuned among both ways' tiles) too."""
-    from dtrain.lowp import int8_swiglu_triton as swt
+    from dtrain.lowp.experimental import int8_swiglu_triton as swt
 
     g = torch.Generator(device="cuda").manual_seed(1)
     a, b, dh = (
@@ -524,7 +514,7 @@ def test_fused_swiglu_trains_as_the_three_linears(compile, monkeypatch):
     Triton GEMMs are exact and what moves is the gate's last bits; compiled, also x's quantize,
     which Inductor computes with its own division (as in the compiled test above, whose bounds
     these are)."""
-    from dtrain.lowp import int8_swiglu as sw
+    from dtrain.lowp.experimental import int8_swiglu as sw
 
     torch._dynamo.reset()
     ref, fused = _swiglu_ffn(), _swiglu_ffn()

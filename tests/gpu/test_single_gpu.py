@@ -80,7 +80,7 @@ def test_fp8_resume_goes_on_delayed_bit_exact_and_compiles_once(tmp_path, result
     uninterrupted run's losses, bit for bit). The first step of a fresh run scales dynamically
     and runs eagerly, so neither run compiles any graph but the delayed ones: they recompile
     as often, and less than a run that compiles that first step too
-    (DTRAIN_FP8_FIRST_STEP=compiled, whose first loss is the eager one's to bf16's rounding)."""
+    (precision.fp8_first_step=compiled, whose first loss is the eager one's to bf16's rounding)."""
     # No eval at step 0 (BASE has none): its loss graph without gradients would add a recompile
     # to the fresh run only.
     args = merged("precision=fp8", "trainer.deterministic=true", "trainer.eval_every=0")
@@ -90,8 +90,9 @@ def test_fp8_resume_goes_on_delayed_bit_exact_and_compiles_once(tmp_path, result
         res = launch(
             *args,
             *extra,
+            f"precision.fp8_first_step={first}",
             f"hydra.run.dir={tmp_path / name}",
-            env_extra={**env, "DTRAIN_FP8_FIRST_STEP": first},
+            env_extra=env,
             timeout=900,
         )
         assert res.returncode == 0, res.stderr[-4000:]

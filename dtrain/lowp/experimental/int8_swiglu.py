@@ -1,8 +1,8 @@
-"""precision=int8's SwiGLU as one autograd function (DTRAIN_INT8_SWIGLU=fused; an A/B option):
+"""precision=int8's SwiGLU as one autograd function (precision.int8_swiglu=fused; not a default):
 w2(silu(w1 x) * w3 x) with the three int8 linears' matmuls (dtrain/lowp/int8.py), the gate's
 product and w2's input quantize in one kernel, and the gate's backward with w1's and w3's
-output-gradient quantizes in one kernel (dtrain/lowp/int8_swiglu_triton.py, on the Triton
-kernels; eager torch ops otherwise).
+output-gradient quantizes in one kernel (int8_swiglu_triton.py beside this file, on the
+Triton kernels; eager torch ops otherwise).
 
 Same numbers as the three Int8Linear layers and the eager silu * product between them: the same
 quantizes, matmuls and roundings, so on the portable path (torch._int_mm) the outputs and every
@@ -21,7 +21,7 @@ launched:
   - under torch.compile the two fused kernels are opaque custom ops, so Inductor cannot turn
     the gate's pointwise kernels into the looped row reductions that took 18.7 ms a step more
     than bf16's pointwise ones in the twenty-sixth session's 1b trace
-    (dtrain/lowp/int8_swiglu_triton.py).
+    (dtrain/lowp/experimental/int8_swiglu_triton.py).
 
 Applies to modules that declare `swiglu = (gate, up, down)` (dtrain.model.FeedForward) whose
 three linears were swapped to Int8Linear without bias: `fuse_swiglu` changes their class to a
@@ -35,28 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.lowp import int8 as i8
-from dtrain.lowp.switches import env_choice
-
-# "linears" (default): the gate's ops between three Int8Linear layers, left to autograd and
-# Inductor; "fused": this module's function. SWIGLU_ENV sets it, for A/B runs.
-SWIGLU_MODES = ("linears", "fused")
-SWIGLU_ENV = "DTRAIN_INT8_SWIGLU"
-
-
-def swiglu_mode() -> str:
-    """SWIGLU_ENV's choice ("linears" when unset)."""
-    return env_choice(SWIGLU_ENV, SWIGLU_MODES)
+from dtrain.lowp.dispatch import register
 
 
 def _triton_swiglu():
-    from dtrain.lowp import int8_swiglu_triton  # registers torch.ops.dtrain.*; imports triton
+    # registers torch.ops.dtrain.*; imports triton
+    from dtrain.lowp.experimental import int8_swiglu_triton
 
     return int8_swiglu_triton
 
 
 def _fused(t: torch.Tensor, kernel: str) -> bool:
     """Whether the Triton kernels run `t`'s gate (else eager torch ops)."""
-    return kernel == "triton" and i8._triton_applies(t)
+    return kernel == "triton" and i8.triton_applies(t)
 
 
 def _swiglu_quantize(a, b, kernel: str, apart: bool):
@@ -83,7 +74,7 @@ def _swiglu_backward(dh, a, b, kernel: str, apart_g: bool, apart: bool):
 
 class _Int8SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, out_dtype, grad_weight, kernel, quantize, grad_input):
+    def forward(ctx, x, w1, w3, w2, out_dtype, grad_weight, kernel, quantize):
         apart, ctx.apart_g, ctx.apart_w = i8.apart_flags(quantize)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, D)
@@ -99,7 +90,6 @@ class _Int8SwiGLUFn(torch.autograd.Function):
         ctx.apart = apart
         ctx.x_shape, ctx.x_dtype, ctx.out_dtype = shape, x.dtype, out_dtype
         ctx.grad_weight, ctx.kernel = grad_weight, kernel
-        ctx.grad_x_dtype = out_dtype if grad_input == "compute" else x.dtype
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -113,7 +103,7 @@ class _Int8SwiGLUFn(torch.autograd.Function):
             if need_w2:
                 hq, hs = _swiglu_quantize(a, b, kernel, ctx.apart)
                 dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, gw, kernel, ctx.apart_g)
-            return dx, dw1, dw3, dw2, None, None, None, None, None
+            return dx, dw1, dw3, dw2, None, None, None, None
         # w2: its input h is in the compute dtype, so is dh (as the unfused w2's grad-input).
         gq, gs = i8._quantize(g, kernel, apart=ctx.apart_g)
         dh = i8.mm_grad_input(gq, gs, w2, cd, kernel, ctx.apart_w)  # (M, F)
@@ -124,10 +114,10 @@ class _Int8SwiGLUFn(torch.autograd.Function):
             dw2 = i8.mm_grad_weight(g, hq, hs, w2.dtype, cd, gw, kernel, ctx.apart_g)
         del hq, hs
         if need_x:
-            dx = i8.mm_grad_input(gaq, gas, w1, ctx.grad_x_dtype, kernel, ctx.apart_w)
-            dx = dx.to(ctx.x_dtype) + i8.mm_grad_input(
-                gbq, gbs, w3, ctx.grad_x_dtype, kernel, ctx.apart_w
-            ).to(ctx.x_dtype)
+            dx = i8.mm_grad_input(gaq, gas, w1, cd, kernel, ctx.apart_w)
+            dx = dx.to(ctx.x_dtype) + i8.mm_grad_input(gbq, gbs, w3, cd, kernel, ctx.apart_w).to(
+                ctx.x_dtype
+            )
             dx = dx.view(ctx.x_shape)
         # Once, for w1 and w3 (and not at all when neither needs its gradient).
         x_deq = i8.dequantize(xq, xs, cd) if gw == "bf16" and (need_w1 or need_w3) else None
@@ -135,7 +125,7 @@ class _Int8SwiGLUFn(torch.autograd.Function):
             dw1 = i8.mm_grad_weight(ga, xq, xs, w1.dtype, cd, gw, kernel, ctx.apart_g, x_deq)
         if need_w3:
             dw3 = i8.mm_grad_weight(gb, xq, xs, w3.dtype, cd, gw, kernel, ctx.apart_g, x_deq)
-        return dx, dw1, dw3, dw2, None, None, None, None, None
+        return dx, dw1, dw3, dw2, None, None, None, None
 
 
 def int8_swiglu(x, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Tensor:
@@ -152,7 +142,6 @@ def int8_swiglu(x, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Ten
         gate.grad_weight,
         gate.kernel,
         gate.quantize,
-        gate.grad_input,
     )
 
 
@@ -183,7 +172,7 @@ def fuse_swiglu(module: nn.Module) -> int:
         parts = [getattr(m, name, None) for name in names]
         if not all(type(p) is i8.Int8Linear and p.bias is None for p in parts):
             continue
-        settings = {(p.grad_weight, p.kernel, p.quantize, p.grad_input) for p in parts}
+        settings = {(p.grad_weight, p.kernel, p.quantize) for p in parts}
         if len(settings) != 1:
             continue
         if parts[0].kernel == "triton":
@@ -191,3 +180,6 @@ def fuse_swiglu(module: nn.Module) -> int:
         m.__class__ = _fused_class(type(m))
         n += 1
     return n
+
+
+register("int8_swiglu", fuse_swiglu)

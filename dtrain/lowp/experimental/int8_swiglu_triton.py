@@ -1,4 +1,4 @@
-"""Triton kernels for precision=int8's fused SwiGLU (dtrain/lowp/int8_swiglu.py): the gate's
+"""Triton kernels for precision=int8's fused SwiGLU (int8_swiglu.py beside it): the gate's
 product with the row-wise quantize of w2's input, and the gate's backward with the row-wise
 quantizes of w1's and w3's output gradients, each one kernel.
 
