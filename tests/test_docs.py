@@ -565,3 +565,12 @@ def test_commands_run(page, tmp_path):
     )
     if expected_failures:
         pytest.xfail("\n".join(expected_failures))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_between_pages_resolve(page):
+    text = (ROOT / page).read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [x for x in links if not re.match(r"^[a-z]+:", x)]
+    missing = [x for x in local if not ((ROOT / page).parent / x).exists()]
+    assert not missing, f"{page} links to missing files: {missing}"
