@@ -22,6 +22,7 @@ from dtrain.faults import point
 from dtrain.optim import lr_at
 from dtrain.preemption import OrphanWatch, StopSignal
 from dtrain.run.build import Resolved, Run, build_run
+from dtrain.run.compile_cache import CompileCacheNote
 from dtrain.run.gc_schedule import GcSchedule
 from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
@@ -144,8 +145,10 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
 
     with gc_schedule:  # Python's collector scheduled (or timed) while the steps run
         while step < end:
+            compiling = r.strategy.compile_enabled and step + 1 == slow.compiling_at
             with SlowStepNotice(step + 1, slow.what(step + 1)):  # stopped however it ends
-                lr, grad_norm = one_step(r, report, step, heartbeat)
+                with CompileCacheNote(step + 1, compiling and r.env.is_main):
+                    lr, grad_norm = one_step(r, report, step, heartbeat)
             if step == r.start_step:  # trained: a later error no longer undoes the run dir
                 mark_started(r.run_dir)
             step += 1
