@@ -112,6 +112,20 @@ def one_step(r: Run, report: StepReport, step: int, heartbeat) -> tuple[float, f
     return lr, grad_norm
 
 
+def say_already_trained(r: Run, step: int, end: int) -> None:
+    """A resumed run whose checkpoint is at or past its last step trains nothing: said so."""
+    key = "stop_at_step" if end < r.cfg.trainer.max_steps else "max_steps"
+    log.warning(
+        "%s is already trained to step %d (trainer.%s=%d): nothing to train; to train it "
+        "further pass a larger trainer.max_steps with hydra.run.dir=%s",
+        r.run_dir,
+        step,
+        key,
+        end,
+        r.run_dir,
+    )
+
+
 def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
     """Steps from r.start_step to r.end_step: eval, save and stop where they are due."""
     t = r.cfg.trainer
@@ -128,16 +142,7 @@ def train(r: Run, stop: StopSignal, heartbeat=None) -> dict:
         at = "the first step" if slow.compiling_at == step + 1 else f"step {slow.compiling_at}"
         log.info(f"torch.compile: {at} compiles the model and may take a few minutes")
     if r.resume is not None and step >= end:
-        key = "stop_at_step" if end < t.max_steps else "max_steps"
-        log.warning(
-            "%s is already trained to step %d (trainer.%s=%d): nothing to train; to train it "
-            "further pass a larger trainer.max_steps with hydra.run.dir=%s",
-            r.run_dir,
-            step,
-            key,
-            end,
-            r.run_dir,
-        )
+        say_already_trained(r, step, end)
     if step == 0 and t.eval_every > 0:
         evals.append((0, evaluate(r, 0)))
     report.restart_clock()
