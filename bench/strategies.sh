@@ -85,7 +85,7 @@ case "${1:-all}" in
     dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16
     dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8 ;;
   # For a 4-GPU machine run as two 2-GPU lanes (bench/lanes.sh), 300 steps of text: the
-  # precisions under fsdp, with bf16 again as the same call's reference.
+  # precisions under fsdp, with bf16 again as the reference measured beside them.
   precision_lane_a)
     for p in bf16 fp16; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
   precision_lane_b)

@@ -604,7 +604,7 @@ FITTED = [
     (("strategy=single", "precision=fp8", "precision.fp8_scaling=delayed", FWD), 1, 74_157),
     (("strategy=single", "precision=fp8"), 1, 75_986),  # its defaults: 2026-12-04-gpu-s40
     (("strategy=single", "precision=int8"), 1, 64_977),  # precision/1b_single_int8.json
-    # ZeRO-3 without DeepCompile: eager three times (2026-11-26b, 2026-11-27 calls 4 and 5),
+    # ZeRO-3 without DeepCompile: eager three times (2026-11-26, twice on 2026-11-27),
     # then under plain torch.compile (deepspeed.py's EAGER_ZERO3, HOOKED_COMPILED_ZERO3)
     (("strategy=zero3", "strategy.deepcompile=false"), 2, 36_968),
     (("strategy=zero3", "strategy.deepcompile=false"), 2, 33_158),
@@ -867,8 +867,8 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
     on small models."""
     # Those runs' int8 GEMMs were the pointer kernel's, priced at 0.74 of the bf16 share of the
     # int8 peak (the TMA kernel that replaced it: 0.79, bench/results/2026-12-01-gpu-s25), and
-    # their quantizes divided a value at a time: three passes (1.5 since the thirty-fourth
-    # session's codes).
+    # their quantizes divided a value at a time: three passes (1.5 for today's, which multiply
+    # by a reciprocal).
     old = replace(sp.QUANT_SPEED["int8"], efficiency=0.74, cast_passes=3.0)
     monkeypatch.setitem(sp.QUANT_SPEED, "int8", old)
     shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
@@ -880,8 +880,8 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
         cfg, _, setup = planned_config(compose(*overrides), world, "cuda")
         return plan_speed(cfg.model, setup, machine), cfg.model
 
-    # bench/results/2026-11-30-gpu-s22/call4_*: tokens/s per GPU of bf16 and of fp8 and int8
-    # with 8-bit moments, in one call.
+    # Tokens/s per GPU of bf16 and of fp8 and int8 with 8-bit moments, measured side by side
+    # (`PRECS='bf16 fp8o8 int8o8' bash bench/lowp.sh fsdp8b`; raw outputs in git history).
     bf16_run = 9_723
     bf16, _ = plan(*shape, kept, "precision=bf16")
     # fp8's recipe then: fast accumulation in the forward GEMM only (grad_input since 554f23f).
@@ -893,7 +893,7 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
         assert eight.optimizer_s > 1.2 * fused.optimizer_s  # fewer bytes, yet slower
         ratio = eight.tokens_per_s_per_gpu / bf16.tokens_per_s_per_gpu
         assert ratio == pytest.approx(eight_run / bf16_run, abs=0.01)
-        # As the bf16 run of that call (6.6% under) and every 8b fsdp run before (6-8%).
+        # As the bf16 run beside them (6.6% under) and every other 8b fsdp run (6-8%).
         assert eight.tokens_per_s_per_gpu == pytest.approx(eight_run, rel=0.10)
     # Not fitted to: 1b's step alone on one H200 (bench/optim8bit.py, 2026-11-30-gpu-s22/
     # call3_*): 13.7 ms, fused AdamW 10.7. The plan errs long for both, the 8-bit step by at

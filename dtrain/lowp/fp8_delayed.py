@@ -25,7 +25,7 @@ the precomputed one is already off the critical path).
   cut to 16 on one H200, from empty compile caches, step 5 came 106 s into the loop against
   161 s with the dynamic step compiled too (bf16: 43 s), at the same speed and memory after;
   at 1b 142 s and 155 s, where the compiled first step had not reached step 5 after 300 s
-  (forty-second session, bench/results/2026-12-04-gpu-s42/).
+  (docs/benchmarks.md, "Start-up"; `startup/first_step.json` in bench/results).
   `precision.fp8_first_step=compiled` compiles it too. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was

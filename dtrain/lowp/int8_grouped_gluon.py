@@ -30,7 +30,7 @@ Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portabl
 tile; on model=1b's and 8b's grad-weights 1.08-1.38x cuBLAS's bf16 and 1.27-1.81x the Triton
 kernel (the 256-wide tile, 4 stages: 0.424 ms for 1b's w1 against 0.574 and 0.591), 830-930
 TOP/s where the default int8 GEMM (one int32 sum) runs at 1,150-1,240. The exact magic-number
-int32-to-fp32 conversion in place of cvt was 8-12% slower here (call 4); the promotion as one
+int32-to-fp32 conversion in place of cvt was 8-12% slower here; the promotion as one
 fused multiply-add (two instructions a value instead of a multiply and an add rounded apart,
 three) 7-11% faster at every 1b and 8b grad-weight (2026-12-02-gpu-s32/), so it is the
 arithmetic here and in the portable path; three consumers on 192 rows (each promotion hidden

@@ -787,9 +787,9 @@ def tuned_rows(kernel, configs, key: list[str]):
 
 
 # (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C) for rows that are
-# contiguous in memory (transposed views take quantize_blocks' fixed tile). Two sweeps of a
-# 2 x 2,048 tile at 8 warps was the only way until the twenty-eighth session, whose 1b trace
-# put this kernel at 14.0 ms a step (dy's quantizes, every layer, the default since). Timed
+# contiguous in memory (transposed views take quantize_blocks' fixed tile). With two sweeps of a
+# 2 x 2,048 tile at 8 warps as its only tile, a 1b trace (`bash bench/lowp.sh profile1b`) put
+# this kernel at 14.0 ms a step (dy's quantizes, every layer). Timed
 # alone (bench/results/2026-11-27-int8), it quantized 1b's 16,384 x 2,048 bf16 activations in
 # 0.075 ms where Inductor's persistent reduction, which loads each row once, took 0.053; one
 # pass here does the same. Registers a thread for sm_90a with bf16 rows (ptxas, none spilled,

@@ -107,9 +107,9 @@ QUANT_SPEED = {
     # 0.79 of the bf16 share of the int8 peak (twice bf16's); 8b's 1.722x, 0.86
     # (bench/results/2026-12-01-gpu-s25/call2_gemms_tma; the pointer kernel before it: 1b
     # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight says
-    # int8 (GROUPED_GRAD_WEIGHT_VS_BF16 for int8_grouped). Cast passes 1.5, from 3.0: since the
-    # thirty-fourth session the quantizes multiply by a reciprocal (copy speed, most of them
-    # fused into their producers); fitted to 1b on one H200, 1.100x bf16 (planned 1.100), and
+    # int8 (GROUPED_GRAD_WEIGHT_VS_BF16 for int8_grouped). Cast passes 1.5, not 3.0: the
+    # quantizes multiply by a reciprocal (copy speed, most of them fused into their
+    # producers); fitted to 1b on one H200, 1.100x bf16 (planned 1.100), and
     # not fitted, 8b's blocks on one, 1.128x (planned 1.111; 3.0 planned 1.017x and 1.077x):
     # bench/results/2026-12-03-gpu-s36/call3_*, call4_*.
     "int8": QuantSpeed("int8", efficiency=0.79, cast_passes=1.5, share=2 / 3),
@@ -125,8 +125,8 @@ QUANT_SPEED = {
 # operands, dy and the saved input, are quantized along the tokens in groups, which the
 # default's bf16 grad-weight reads as they are: GROUPED_CAST_PASSES more passes over each
 # block's features. Fitted on 1b on one H200 to the grouped run over the default int8 run of one
-# call, 66,957 over 65,763 tokens/s (1.018, the same call): planned 1.023. Earlier kernels, each
-# against the default of its own call, are planned within 1% too (tests/test_planner.py): the
+# benchmark invocation, 66,957 over 65,763 tokens/s (1.018): planned 1.023. Earlier kernels, each
+# against the default measured beside it, are planned within 1% too (tests/test_planner.py): the
 # Gluon kernel's 128-wide tile (1.20x bf16; 0.987, 2026-12-02-gpu-s31/call2_runs) and the
 # Triton kernel (0.946x; 0.943, 2026-12-02-gpu-s30/call5_runs). Not fitted, 8b's widths (16 of
 # its blocks, seq 8192, one H200): 22,161 over 21,231 (1.044), planned 1.056
