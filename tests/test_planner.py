@@ -922,7 +922,7 @@ def test_param_tensors_are_counted_from_the_config():
 def test_fp8_fast_accumulation_is_priced_per_gemm(monkeypatch):
     """precision.fp8_fast_accum: each GEMM that accumulates fast runs FAST_ACCUM_SPEEDUP times
     a promoted one, and torchao's recipe ("forward") is what the fp8 efficiency was fitted on.
-    Against the A/B of one call, 1x H200: 8b's blocks cut to 16, grad_input (the default) over
+    Against a side-by-side A/B, 1x H200: 8b's blocks cut to 16, grad_input (the default) over
     forward, 23,281 / 22,919 tokens/s (bench/results/2026-12-04-gpu-s41/call2_*, fitted: within
     0.5%); 1b with the LM head in fp8 and dynamic scales, all over forward, 73,839 / 71,608
     (2026-11-29-gpu-s18/call3_*, not fitted: within 1.5%). Not an fp8 precision: no change."""
@@ -953,8 +953,8 @@ def test_fp8_fast_accumulation_is_priced_per_gemm(monkeypatch):
 
 
 def test_int8_is_planned_at_its_measured_speed_against_bf16():
-    """The default int8 (SwitchBack; the TMA GEMMs; quantizes at copy speed) against bf16 in
-    one call each, 1x H200 (bench/results/2026-12-03-gpu-s36/): model=1b, 64,977 over 59,097
+    """The default int8 (SwitchBack; the TMA GEMMs; quantizes at copy speed) against bf16
+    measured beside it, 1x H200 (bench/results/2026-12-03-gpu-s36/): model=1b, 64,977 over 59,097
     tokens/s (its cast passes fitted to it), and 8b's blocks cut to 16, seq 8192, 20,875 over
     18,506 (not fitted), and again 21,231 over 18,747
     (2026-12-04-gpu-s43/call3_slice8b_int8_grouped), each ratio within 2%."""
@@ -975,12 +975,12 @@ def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
     """precision.int8_grad_weight=int8 runs all three block matmuls at the int8 rate, SwitchBack's
     bf16 (the default) two of them; int8_grouped's grad-weight GEMM at the bf16 rate times what
     its kernel measured against cuBLAS's bf16, plus its operands' quantizes in groups. Planned
-    against the grouped and the default run of one call, for each of its kernels (1b, one H200):
+    against the grouped and the default run measured side by side, for each of its kernels (1b, one H200):
     the Gluon kernel with its fused multiply-add, 1.47x bf16 (bench/results/2026-12-03-gpu-s33/
     call1_tests_gemms_runs: 66,957 over 65,763 tokens/s), its 128-wide tile before that, 1.20x
     (2026-12-02-gpu-s31/call2_runs: 63,265 over 64,082) and the Triton kernel, 0.946x
     (2026-12-02-gpu-s30/call5_runs: 60,616 over 64,286), each ratio within 1%. Not fitted: 8b's
-    blocks cut to 16 (seq 8192), the Gluon kernel's grouped run over the default of one call,
+    blocks cut to 16 (seq 8192), the Gluon kernel's grouped run over the default beside it,
     22,161 over 21,231 (2026-12-04-gpu-s43/call3_slice8b_int8_grouped), within 1.5%."""
     machine = datasheet_machine(GPUS["h200-141gb"])
     shape = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")

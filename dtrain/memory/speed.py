@@ -75,7 +75,7 @@ PCIE_BYTES_PER_S = 25e9
 # - Its kernel moves the fewer bytes of 8-bit moments at 1/2.3 the rate the bytes model gives
 #   fused AdamW (each element also looks its two codes up in a 256-entry table, and computes
 #   each new code from its value). Fitted to model=8b under fsdp on 2 GPUs: with fp8 and int8
-#   it ran at 1.244x and 1.046x the bf16 run of its call; the factor that gives the plan those
+#   it ran at 1.244x and 1.046x the bf16 run measured beside it; the factor that gives the plan those
 #   ratios is 2.3 (1.244x, 1.045x; bench/results/2026-11-30-gpu-s22/call4_*). Alone at 8b's
 #   shapes (2.16B parameters, bench/optim8bit.py, call3_*) it took 21.0 ms of GPU time against
 #   fused AdamW's 17.2 ms (32.7 ms before the codes were computed, 2026-11-29-gpu-s21).
@@ -137,7 +137,7 @@ GROUPED_CAST_PASSES = 1.0
 # precision.fp8_fast_accum: each fp8 GEMM that accumulates fast (no periodic promotion to fp32)
 # runs this much faster than a promoted one. QUANT_SPEED's fp8 efficiency was fitted with
 # torchao's recipe, the forward GEMM fast and the two backward ones promoted, so that mix keeps
-# it (`fast_accum_factor`). Fitted to the one A/B of one call: 8b's blocks cut to 16 on one
+# it (`fast_accum_factor`). Fitted to one side-by-side A/B: 8b's blocks cut to 16 on one
 # H200, grad_input over forward 23,281 / 22,919 tokens/s, 1.0158 (planned 1.0157;
 # bench/results/2026-12-04-gpu-s41/call2_*). Not fitted: "all" over "forward" with the LM head
 # in fp8 at 1b, 73,839 / 71,608, 1.031 (planned 1.044; 2026-11-29-gpu-s18/call3_*), and 1b at
@@ -158,7 +158,7 @@ def fast_accum_factor(mode: str) -> float:
 
 # precision.fp8_scaling=delayed: the amax pass over each cast operand is fused into the kernel
 # that makes it (dtrain/lowp/fp8_delayed.py). One pass of three: 1b on one H200 is planned at
-# 75.2k tokens/s (dynamic 70.8k), measured 74.2k and 75.0k in two calls (dynamic 70.9k in the
+# 75.2k tokens/s (dynamic 70.8k), measured 74.2k and 75.0k in two runs (dynamic 70.9k beside the
 # first; bench/results/2026-11-30-gpu-s23/).
 DELAYED_SAVED_PASSES = 1.0
 
