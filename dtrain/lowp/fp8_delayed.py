@@ -4,11 +4,11 @@ torchao's tensorwise recipe scales dynamically: each input and output gradient i
 its amax and again for the cast, since the cast's scale depends on the whole tensor. At
 model=1b on one H200 those amax-only reads were about 20 ms of fp8's 254 ms of GPU time a step
 (the SwiGLU backward's gradient 6.8 ms, the forward's norms about 7.6, the RoPE backward's 4.0,
-the SwiGLU forward's 3.1: bench/results/2026-11-30-gpu-s22/call5_profile1b/). torchao has
+the SwiGLU forward's 3.1: raw outputs of 2026-11-30). torchao has
 dropped its delayed scaling; this is Transformer Engine's recipe on torchao's Float8Linear.
 Measured at 1b on one H200: 1.046x dynamic fp8's tokens/s, 1.24x bf16's (three benchmark runs,
-bench/results/2026-11-30-gpu-s23/ and -s24/). At 8b under fsdp on two GPUs it is 0.986x
-dynamic fp8 (-s24/call1): the amax passes are a smaller part of the wider GEMMs there, so it
+raw outputs of 2026-11-30). At 8b under fsdp on two GPUs it is 0.986x dynamic fp8 (the same
+day's): the amax passes are a smaller part of the wider GEMMs there, so it
 is not the default. The kernels' fusion is not yet seen in a trace.
 
 Delayed scaling casts with a scale known before the tensor is made: fmax / (the largest amax
