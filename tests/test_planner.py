@@ -975,7 +975,8 @@ def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
     """precision.int8_grad_weight=int8 runs all three block matmuls at the int8 rate, SwitchBack's
     bf16 (the default) two of them; int8_grouped's grad-weight GEMM at the bf16 rate times what
     its kernel measured against cuBLAS's bf16, plus its operands' quantizes in groups. Planned
-    against the grouped and the default run measured side by side, for each of its kernels (1b, one H200):
+    against the grouped and the default run measured side by side, for each of its kernels (1b,
+    one H200):
     the Gluon kernel with its fused multiply-add, 1.47x bf16 (raw outputs of
     2026-12-03: 66,957 over 65,763 tokens/s), its 128-wide tile before that, 1.20x
     (raw outputs of 2026-12-02: 63,265 over 64,082) and the Triton kernel, 0.946x

@@ -7,8 +7,8 @@ runs while the other's MMA does.
     float32(a[:, j] @ b[j]) * a_scale[:, j], each group's scale-and-add one fused
     multiply-add in fp32), for operands TMA can read.
 
-Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, bench/results/
-raw outputs of 2026-12-02). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
+Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, raw
+outputs of 2026-12-02). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
 sum (convert, scale, add), and only then issues the next; a CTA-wide barrier keeps its two
 warpgroups in step, so the tensor cores idle during every promotion. Waiting for fewer wgmmas
 in one warpgroup does not help: ptxas serialises every wgmma when other instructions read an

@@ -27,11 +27,12 @@ among _TILES):
   - two sweeps, for rows of any length (past ONE_PASS_MAX the only way): a first computes
     the values and their abs-max, a second recomputes them from the same inputs, mostly in
     L2, and stores the int8 values.
-Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. The
-a 1b trace put the two sweeps at 27.4 ms a step (backward) and 10.3 (forward), slower than
-Inductor's looped reductions, on a tile of 2 x 2,048 values at 8 warps: each value is loaded and computed twice (an exp and two IEEE
-divisions), plus the quantize's division, and the backward's 97 registers a thread (ptxas
-for sm_90a) leave room for two programs of 8 warps a multiprocessor. One pass does each once.
+Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. A 1b
+trace put the two sweeps at 27.4 ms a step (backward) and 10.3 (forward), slower than
+Inductor's looped reductions, on a tile of 2 x 2,048 values at 8 warps: each value is loaded
+and computed twice (an exp and two IEEE divisions), plus the quantize's division, and the
+backward's 97 registers a thread (ptxas for sm_90a) leave room for two programs of 8 warps a
+multiprocessor. One pass does each once.
 
 The arithmetic is torch.compile's (what Inductor makes of silu and its backward, which the
 compiled three linears and bf16 training run): sigmoid(a) = 1 / (1 + exp(-a)) with Triton's
@@ -243,15 +244,15 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
     return first.shape
 
 
-# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
-# sweeps' 2 x 2,048 at 8 warps is the tile a 1b trace timed at 27.4 ms a step backward (with
-# 97 registers a thread: two programs a multiprocessor), so smaller tiles (fewer registers,
-# more programs in flight) are in the list too. Registers a thread of the backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
-# spilled; Triton 3.6): one pass of 8,192 at 8/16/32 warps 128/77/51;
-# sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
-# (the forward's: 30-49). At 1b autotuning chose one pass at 8 warps for the forward and
-# sweeps of 1 x 2,048 for the backward (`PRECS='bf16 int8swiglu' bash bench/lowp.sh single1b`;
-# raw outputs in git history: bench/results/README.md).
+# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two sweeps' 2 x
+# 2,048 at 8 warps is the tile a 1b trace timed at 27.4 ms a step backward (with 97 registers a
+# thread: two programs a multiprocessor), so smaller tiles (fewer registers, more programs in
+# flight) are in the list too. Registers a thread of the backward for sm_90a (ptxas, with the
+# runtime's 16-byte alignment hints, none spilled; Triton 3.6): one pass of 8,192 at 8/16/32 warps
+# 128/77/51; sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
+# (the forward's: 30-49). At 1b autotuning chose one pass at 8 warps for the forward and sweeps of 1
+# x 2,048 for the backward (`PRECS='bf16 int8swiglu' bash bench/lowp.sh single1b`; raw outputs in
+# git history: bench/results/README.md).
 _TILES = [
     (True, 1, 1, 8),
     (True, 1, 1, 16),
