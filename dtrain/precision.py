@@ -310,8 +310,8 @@ def resolve_fp8_scaling(cfg: PrecisionConfig, fp8: bool, shards_params: bool) ->
     H200, 1.242x bf16's tokens/s against dynamic's 1.188x side by side, 1.240-1.246x in three
     more, with the loss at 350m -1.8% and +0.5% against bf16's (two seeds). It is Transformer
     Engine's recipe. Under fsdp at 8b it ran 0.986x dynamic's on 2x H200, so sharded
-    parameters keep dynamic scales (`bash bench/lowp.sh single1b` and `fsdp8b` with
-    PRECS='bf16 fp8 fp8dyn'; docs/benchmarks.md, "Precision")."""
+    parameters keep dynamic scales (PRECS='bf16 fp8d fp8dyn' bash bench/lowp.sh single1b, and
+    fsdp8b; raw outputs of 2026-11-30 in git history)."""
     if cfg.fp8_scaling != AUTO:
         return cfg.fp8_scaling
     return "delayed" if fp8 and not shards_params and cfg.fp8_recipe == "tensorwise" else "dynamic"
