@@ -9,7 +9,7 @@ would save, and what bounds it:
                 before anything compiles) to multiply each value by Triton's approximate
                 reciprocal of its scale (`1.0 / s`, div.full, one a value; codes may differ by
                 one). Measured first against the IEEE division a value that the ops had then
-                (bench/results/2026-12-03-gpu-s34/call1_dyq/); since, the ops take one IEEE
+                (raw outputs of 2026-12-03); since, the ops take one IEEE
                 reciprocal a scale (int8.codes), and this is what that exactness costs
     roof        a tile kernel that reads dy once and writes int8 with no rounding: row-major
                 only (one op's bytes), or row-major and transposed (both ops' bytes)

@@ -60,8 +60,9 @@ def call(folder: str, runs: dict, commit: str | None = None) -> dict:
     return {"dir": folder, "runs": runs, "commit": commit}
 
 
-# One entry a figure: where its raw files are (one folder a call), what each run is called in
-# the tables, and the run the ratios divide by (measured in the same call).
+# One entry a figure: where its raw files are (one folder an invocation of the benchmark
+# command, "calls"), what each run is called in the tables, and the run the ratios divide by
+# (measured in the same invocation).
 FIGURES: list[dict] = [
     dict(
         out="throughput/single_1b_vs_plain_loop.json",

@@ -7,8 +7,8 @@
 # from the loop's start to its first step and to its last.
 #   OUT=/tmp/out STOP=5 bash bench/fp8_resume.sh [overrides, e.g. model=350m]
 # PART=fresh or PART=resumed runs one part (default both): at model=1b on an H200 the fresh
-# part alone took 471 s (two compiles and a 61 s save), so the two go in two calls of one
-# machine (the run dir stays in /tmp/runs while the machine is held).
+# part alone took 471 s (two compiles and a 61 s save), so the two can go in two commands on one
+# machine (the run dir stays in /tmp/runs between them).
 set -uo pipefail
 STOP=${STOP:-5}
 STEPS=$((2 * STOP)) LOG_EVERY=1 source bench/common.sh

@@ -21,7 +21,7 @@ python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu --junitxml=$OUT/gpu_su
 rc=$?
 grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/gpu_suite.log | tail -60
 if [ "${LAUNCH:-1}" = 1 ]; then
-  # LAUNCH_BUDGET: seconds from this script's start that a device call allows it all
+  # LAUNCH_BUDGET: seconds from this script's start that the machine's time limit allows it all
   python3 bench/launch_times.py --out $OUT/launch_times.json --limit ${LAUNCH_LIMIT:-150} \
     ${LAUNCH_BUDGET:+--budget $((LAUNCH_BUDGET - SECONDS))} ${LAUNCH_STRATEGIES:-}
 fi

@@ -1,5 +1,5 @@
 """int8 kernels on one GPU (issue 16): bf16 against torch._int_mm against dtrain's Triton kernels,
-per matmul and end to end, every ratio against the bf16 of the same call.
+per matmul and end to end, every ratio against the bf16 measured in the same run of the script.
 
     python bench/int8_kernels.py --out $OUT            # ~5 min on one H100: both parts
     python bench/int8_kernels.py --out $OUT --part micro   # the matmuls and quantizes only

@@ -135,7 +135,7 @@ def main() -> None:
         "--budget",
         type=float,
         help="seconds for all of them: a strategy that could not run to its limit in what is "
-        "left is skipped (a device call has a hard end; the figures so far are kept)",
+        "left is skipped (for a machine with a hard time limit; the figures so far are kept)",
     )
     args = ap.parse_args()
     import torch

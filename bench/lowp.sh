@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Low precision at scale (issue 16): bf16 against fp8 (and int8) in one call, on dtrain's own
-# training command and synthetic tokens, every ratio against the bf16 run of the same call.
+# Low precision at scale: bf16 against fp8 (and int8) side by side in one invocation, on dtrain's
+# own training command and synthetic tokens, every ratio against the bf16 run of the same
+# invocation.
 #   OUT=/tmp/out bash bench/lowp.sh fsdp8b     # model=8b, fsdp on 2 GPUs, seq 8192, micro-batch 1
 #   OUT=/tmp/out bash bench/lowp.sh single1b   # model=1b, 1 GPU, seq 2048, micro-batch 8
 #   OUT=/tmp/out bash bench/lowp.sh fsdp1b     # model=1b, fsdp on 2 GPUs, seq 2048, micro-batch 8
 #   OUT=/tmp/out bash bench/lowp.sh slice8b    # 8b's blocks on 1 GPU: model=8b cut to LAYERS
 #       blocks (default 16: bf16 fits in an H200's 141 GB), seq 8192, micro-batch 1, Llama 3's
-#       vocab; 8b's shapes where only one GPU is lent (no sharding, so no gather to hide)
+#       vocab; 8b's shapes on a single GPU (no sharding, so no gather to hide)
 #   OUT=/tmp/out bash bench/lowp.sh profile8b  # the same 8b runs, 2 steps traced each (top ops)
 #   OUT=/tmp/out bash bench/lowp.sh profile1b  # the same for the 1b runs
 #   OUT=/tmp/out bash bench/lowp.sh int8kernels  # bf16 vs torch._int_mm vs Triton int8: GEMMs,
@@ -21,7 +22,7 @@
 # fp8wide, fp8cf, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8gapart, int8qfused, int8qsweeps, int8gic, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
-# PACK_RESULTS=0 on all but the last of several invocations in one call (each pack replaces
+# PACK_RESULTS=0 on all but the last of several invocations into one OUT (each pack replaces
 # $OUT/results.tgz).
 # Each run writes $OUT/<name>.json (bench/dtrain_result.py: tokens/s, MFU, peak memory per rank).
 # 8b under fsdp needs about 99 GiB per GPU in bf16: H200s (or H100s with activation checkpointing).

@@ -6,8 +6,7 @@
 #   OUT=/tmp/out MODELS=1b PRECS=bf16 STEPS=20 bash bench/plan_validate.sh
 #   OUT=/tmp/out MODELS=1b STRATEGIES=single,ddp,fsdp,zero2 bash bench/plan_validate.sh
 #       (7 points, bf16 and fp8 where the strategy takes it: zero2 and fp8 under ddp were never
-#       scored with a logged prediction; estimated to fit one 10-minute device call, not yet
-#       run)
+#       scored with a logged prediction; estimated to take about 10 minutes, not yet run)
 set -uo pipefail
 source bench/common.sh
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")

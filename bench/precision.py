@@ -10,7 +10,8 @@ scaler and the 8-bit optimizer are exactly what training uses), compile each tra
 (one compile serves all blocks), train `--warmup` steps, then time `--steps` steps on the
 embedded text corpus. Peak memory is torch.cuda.max_memory_allocated over the whole run.
 A precision that runs out of memory or fails is reported as such; the others still run.
-Writes OUT/precision.json and OUT/precision.md (ratios against bf16 measured in the same call).
+Writes OUT/precision.json and OUT/precision.md (ratios against bf16 measured in the same run of
+the script).
 """
 
 from __future__ import annotations

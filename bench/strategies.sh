@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Strategies benchmark (issue 4), 2 GPUs, model=1b, seq 2048, micro-batch 8, bf16, synthetic data:
 # dtrain ddp/fsdp/zero1/zero2/zero3 next to the plain loop (ddp, fsdp), a plain DeepSpeed loop
-# (ZeRO-2, ZeRO-3) and Lightning Fabric (ddp, fsdp, deepspeed_stage_2), all in one call.
+# (ZeRO-2, ZeRO-3) and Lightning Fabric (ddp, fsdp, deepspeed_stage_2), all in one invocation.
 #   OUT=/tmp/out bash bench/strategies.sh            # everything (~25 min on 2x H100)
 #   OUT=/tmp/out bash bench/strategies.sh dtrain     # only dtrain's five strategies
 #   OUT=/tmp/out bash bench/strategies.sh baselines  # only the plain / DeepSpeed / Fabric loops
@@ -33,7 +33,8 @@ fabric() {  # $1 = Fabric strategy
     > $OUT/fabric_$1.log 2>&1; tail -1 $OUT/fabric_$1.log
 }
 case "${1:-all}" in
-  # The full set in two calls of under 10 minutes each (the device's per-command limit).
+  # The full set in two parts of under 10 minutes each (for machines with a 10-minute limit a
+  # command).
   part1) plain ddp; dtrain ddp; plain fsdp; dtrain fsdp; dtrain zero2; dtrain zero3 ;;
   part2) deepspeed_plain 2; deepspeed_plain 3; for f in ddp fsdp deepspeed_stage_2; do fabric $f; done
          dtrain zero1 ;;
@@ -69,7 +70,7 @@ case "${1:-all}" in
     dtrain_as fsdp_int8_adamw8bit strategy=fsdp precision=int8 precision.optimizer_8bit=true \
       precision.int8_grad_weight=int8
     dtrain_as fsdp_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true ;;
-  # The same on real text for the loss after 300 steps (and steady tokens/s), in two calls:
+  # The same on real text for the loss after 300 steps (and steady tokens/s), in two parts:
   #   DATA="data=embedded model.vocab_size=50304" STEPS=300 LOG_EVERY=50 bash bench/strategies.sh precision_loss1
   precision_loss1)
     dtrain_as loss_fp32_tf32 strategy=fsdp precision=fp32 precision.tf32=true
@@ -85,7 +86,7 @@ case "${1:-all}" in
     dtrain_as loss_int8_switchback strategy=fsdp precision=int8 precision.int8_grad_weight=bf16
     dtrain_as loss_int8 strategy=fsdp precision=int8 precision.int8_grad_weight=int8 ;;
   # For a 4-GPU machine run as two 2-GPU lanes (bench/lanes.sh), 300 steps of text: the
-  # precisions under fsdp, with bf16 again as the same call's reference.
+  # precisions under fsdp, with bf16 again as the reference measured beside them.
   precision_lane_a)
     for p in bf16 fp16; do dtrain_as loss_$p strategy=fsdp precision=$p; done ;;
   precision_lane_b)

@@ -4,7 +4,7 @@
 whole run (Inductor fixes SDPA's kernel when it traces, so this must hold while the model is
 compiled); every other kernel stays enabled behind it, in the order torch had, for the shapes
 the named one cannot take (a decoding step's offset causal mask, an unsupported head size).
-`auto` is the fastest on Hopper (torch picks cuDNN; bench/results/2026-11-26c/part4);
+`auto` is the fastest on Hopper (torch picks cuDNN; raw outputs of 2026-11-26);
 naming one is for comparing kernels or stepping around a kernel's bug.
 """
 

@@ -78,7 +78,7 @@ def allocator_settings(device: torch.device, expandable: bool, environ=os.enviro
 
     Expandable segments: a segment grows in place instead of a new one being cut for every
     odd-sized request, so freed blocks of one size are not stranded beside requests of another:
-    less memory held, same speed (bench/results/2026-11-26d/call4_expandable)."""
+    less memory held, same speed (raw outputs of 2026-11-26)."""
     if device.type != "cuda" or not expandable or any(v in environ for v in USER_ALLOC_VARS):
         return None
     return EXPANDABLE

@@ -306,11 +306,12 @@ def resolve_fp8_scaling(cfg: PrecisionConfig, fp8: bool, shards_params: bool) ->
     parameters (single, ddp) and tensorwise scales, else dynamic (what every precision but fp8
     reads as none).
 
-    Whole, delayed was the faster in every call that ran both: at 1b on one H200, 1.242x
-    bf16's tokens/s against dynamic's 1.188x in one call (twenty-third session), 1.240-1.246x
-    in three more, with the loss at 350m -1.8% and +0.5% against bf16's (two seeds). It is
-    Transformer Engine's recipe. Under fsdp at 8b it ran 0.986x dynamic's on 2x H200
-    (twenty-fourth session), so sharded parameters keep dynamic scales."""
+    Whole, delayed was the faster in every benchmark invocation that ran both: at 1b on one
+    H200, 1.242x bf16's tokens/s against dynamic's 1.188x side by side, 1.240-1.246x in three
+    more, with the loss at 350m -1.8% and +0.5% against bf16's (two seeds). It is Transformer
+    Engine's recipe. Under fsdp at 8b it ran 0.986x dynamic's on 2x H200, so sharded
+    parameters keep dynamic scales (PRECS='bf16 fp8d fp8dyn' bash bench/lowp.sh single1b, and
+    fsdp8b; raw outputs of 2026-11-30 in git history)."""
     if cfg.fp8_scaling != AUTO:
         return cfg.fp8_scaling
     return "delayed" if fp8 and not shards_params and cfg.fp8_recipe == "tensorwise" else "dynamic"

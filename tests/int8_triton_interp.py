@@ -2,7 +2,7 @@
 
 Not collected by the default run (no test_ prefix): tests/test_int8_triton.py runs this file in
 a subprocess with TRITON_INTERPRET=1, which must be set before the kernels are defined (the
-GPU tests in the same session need them compiled).
+GPU tests in the same pytest run need them compiled).
 
 One difference from the GPU, by the interpreter: it casts fp32 to bf16 by truncation where the
 GPU rounds to nearest even, so bf16 outputs are compared within one bf16 step here and bit for

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from tests.conftest import ROOT
 
 ORDINALS = (
@@ -32,6 +30,12 @@ NARRATION = re.compile(
             r"\b(?:we|I) measured\b",
             r"\bthis round\b",
             r"\b(?:same|that|an earlier|a later) call\b",
+            r"\b(?:of|in|from|by) (?:one|its|its own|this|a single) call\b",
+            r"\b(?:one|two|three|four|five|six|seven|eight|nine|ten|\d+) calls\b",
+            r"\((?:\d+|one|two|three) calls?\)",
+            r"\bcall\d+_",  # a device call's raw folder
+            r"\bgpu-s\d+\b",  # a session's raw folder
+            r"\bmachine is held\b",
         ]
     ),
     re.IGNORECASE,
@@ -60,6 +64,8 @@ ALLOWED = {
     ("tests/test_reporting.py", "(session,) = g.sessions"),  # TensorBoard's HParams records
     ("tests/test_reporting.py", "session.status"),
     ("tests/test_no_narration.py", ""),  # this file names the words it looks for
+    ("bench/extract_results.py", '"2026-'),  # the raw folders it reads from RAW_REV
+    ("dtrain/lowp/fp8.py", "all in one call (cast_shards)"),  # a function call
 }
 
 SCANNED = ["README.md", "docs", "dtrain", "tests", "launch", "conf", "bench"]
@@ -101,6 +107,11 @@ def test_the_pattern_finds_narration_and_the_allow_list_is_exact():
         "we measured 1.2x",
         "this round's figures",
         "in the same call",
+        "the bf16 run of its call",
+        "1.253 (1 call)",
+        "in two calls of one machine",
+        "bench/results/2026-12-04-gpu-s43/call3_slice8b",
+        "while the machine is held",
     ]:
         assert NARRATION.search(text), text
     for text in ["a process group", "each call to forward", "the caller", "recalls"]:
@@ -110,7 +121,6 @@ def test_the_pattern_finds_narration_and_the_allow_list_is_exact():
     assert not allowed("docs/benchmarks.md", "the HParams session")
 
 
-@pytest.mark.xfail(strict=False, reason="purge in progress")
 def test_no_narration():
     hits = narration_hits()
     assert not hits, f"{len(hits)} narration line(s):\n" + "\n".join(hits)

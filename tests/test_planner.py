@@ -602,9 +602,9 @@ FITTED = [
     # fp8 with torchao's fast accumulation (forward only), the default before 554f23f
     (("strategy=single", "precision=fp8", "precision.fp8_scaling=dynamic", FWD), 1, 72_515),
     (("strategy=single", "precision=fp8", "precision.fp8_scaling=delayed", FWD), 1, 74_157),
-    (("strategy=single", "precision=fp8"), 1, 75_986),  # its defaults: 2026-12-04-gpu-s40
+    (("strategy=single", "precision=fp8"), 1, 75_986),  # its defaults: raw outputs of 2026-12-04
     (("strategy=single", "precision=int8"), 1, 64_977),  # precision/1b_single_int8.json
-    # ZeRO-3 without DeepCompile: eager three times (2026-11-26b, 2026-11-27 calls 4 and 5),
+    # ZeRO-3 without DeepCompile: eager three times (2026-11-26, twice on 2026-11-27),
     # then under plain torch.compile (deepspeed.py's EAGER_ZERO3, HOOKED_COMPILED_ZERO3)
     (("strategy=zero3", "strategy.deepcompile=false"), 2, 36_968),
     (("strategy=zero3", "strategy.deepcompile=false"), 2, 33_158),
@@ -866,9 +866,9 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
     fused AdamW's rate, fitted to two 8b runs on 2x H200; its host time the floor, which binds
     on small models."""
     # Those runs' int8 GEMMs were the pointer kernel's, priced at 0.74 of the bf16 share of the
-    # int8 peak (the TMA kernel that replaced it: 0.79, bench/results/2026-12-01-gpu-s25), and
-    # their quantizes divided a value at a time: three passes (1.5 since the thirty-fourth
-    # session's codes).
+    # int8 peak (the TMA kernel that replaced it: 0.79, raw outputs of 2026-12-01), and
+    # their quantizes divided a value at a time: three passes (1.5 for today's, which multiply
+    # by a reciprocal).
     old = replace(sp.QUANT_SPEED["int8"], efficiency=0.74, cast_passes=3.0)
     monkeypatch.setitem(sp.QUANT_SPEED, "int8", old)
     shape = ("model=8b", "model.vocab_size=128256", "trainer.seq_len=8192")
@@ -880,8 +880,8 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
         cfg, _, setup = planned_config(compose(*overrides), world, "cuda")
         return plan_speed(cfg.model, setup, machine), cfg.model
 
-    # bench/results/2026-11-30-gpu-s22/call4_*: tokens/s per GPU of bf16 and of fp8 and int8
-    # with 8-bit moments, in one call.
+    # Tokens/s per GPU of bf16 and of fp8 and int8 with 8-bit moments, measured side by side
+    # (`PRECS='bf16 fp8o8 int8o8' bash bench/lowp.sh fsdp8b`; raw outputs in git history).
     bf16_run = 9_723
     bf16, _ = plan(*shape, kept, "precision=bf16")
     # fp8's recipe then: fast accumulation in the forward GEMM only (grad_input since 554f23f).
@@ -893,10 +893,10 @@ def test_8bit_adamw_is_priced_as_measured(monkeypatch):
         assert eight.optimizer_s > 1.2 * fused.optimizer_s  # fewer bytes, yet slower
         ratio = eight.tokens_per_s_per_gpu / bf16.tokens_per_s_per_gpu
         assert ratio == pytest.approx(eight_run / bf16_run, abs=0.01)
-        # As the bf16 run of that call (6.6% under) and every 8b fsdp run before (6-8%).
+        # As the bf16 run beside them (6.6% under) and every other 8b fsdp run (6-8%).
         assert eight.tokens_per_s_per_gpu == pytest.approx(eight_run, rel=0.10)
-    # Not fitted to: 1b's step alone on one H200 (bench/optim8bit.py, 2026-11-30-gpu-s22/
-    # call3_*): 13.7 ms, fused AdamW 10.7. The plan errs long for both, the 8-bit step by at
+    # Not fitted to: 1b's step alone on one H200 (bench/optim8bit.py, raw outputs of
+    # 2026-11-30): 13.7 ms, fused AdamW 10.7. The plan errs long for both, the 8-bit step by at
     # most a tenth more than fused AdamW.
     one = ("model=1b", "model.vocab_size=50304", "trainer.seq_len=2048")
     one += ("trainer.micro_batch_size=8", "strategy=single", "precision=int8")
@@ -922,10 +922,10 @@ def test_param_tensors_are_counted_from_the_config():
 def test_fp8_fast_accumulation_is_priced_per_gemm(monkeypatch):
     """precision.fp8_fast_accum: each GEMM that accumulates fast runs FAST_ACCUM_SPEEDUP times
     a promoted one, and torchao's recipe ("forward") is what the fp8 efficiency was fitted on.
-    Against the A/B of one call, 1x H200: 8b's blocks cut to 16, grad_input (the default) over
-    forward, 23,281 / 22,919 tokens/s (bench/results/2026-12-04-gpu-s41/call2_*, fitted: within
+    Against a side-by-side A/B, 1x H200: 8b's blocks cut to 16, grad_input (the default) over
+    forward, 23,281 / 22,919 tokens/s (raw outputs of 2026-12-04, fitted: within
     0.5%); 1b with the LM head in fp8 and dynamic scales, all over forward, 73,839 / 71,608
-    (2026-11-29-gpu-s18/call3_*, not fitted: within 1.5%). Not an fp8 precision: no change."""
+    (raw outputs of 2026-11-29, not fitted: within 1.5%). Not an fp8 precision: no change."""
     machine = datasheet_machine(GPUS["h200-141gb"])
     one = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")
     cut = ("model=8b", "model.n_layer=16", "model.vocab_size=128256", "trainer.seq_len=8192")
@@ -953,11 +953,11 @@ def test_fp8_fast_accumulation_is_priced_per_gemm(monkeypatch):
 
 
 def test_int8_is_planned_at_its_measured_speed_against_bf16():
-    """The default int8 (SwitchBack; the TMA GEMMs; quantizes at copy speed) against bf16 in
-    one call each, 1x H200 (bench/results/2026-12-03-gpu-s36/): model=1b, 64,977 over 59,097
+    """The default int8 (SwitchBack; the TMA GEMMs; quantizes at copy speed) against bf16
+    measured beside it, 1x H200 (raw outputs of 2026-12-03): model=1b, 64,977 over 59,097
     tokens/s (its cast passes fitted to it), and 8b's blocks cut to 16, seq 8192, 20,875 over
     18,506 (not fitted), and again 21,231 over 18,747
-    (2026-12-04-gpu-s43/call3_slice8b_int8_grouped), each ratio within 2%."""
+    (raw outputs of 2026-12-04), each ratio within 2%."""
     machine = datasheet_machine(GPUS["h200-141gb"])
     one = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")
     cut = ("model=8b", "model.n_layer=16", "model.vocab_size=128256", "trainer.seq_len=8192")
@@ -975,13 +975,14 @@ def test_int8_grad_weight_modes_are_planned_at_their_measured_rates():
     """precision.int8_grad_weight=int8 runs all three block matmuls at the int8 rate, SwitchBack's
     bf16 (the default) two of them; int8_grouped's grad-weight GEMM at the bf16 rate times what
     its kernel measured against cuBLAS's bf16, plus its operands' quantizes in groups. Planned
-    against the grouped and the default run of one call, for each of its kernels (1b, one H200):
-    the Gluon kernel with its fused multiply-add, 1.47x bf16 (bench/results/2026-12-03-gpu-s33/
-    call1_tests_gemms_runs: 66,957 over 65,763 tokens/s), its 128-wide tile before that, 1.20x
-    (2026-12-02-gpu-s31/call2_runs: 63,265 over 64,082) and the Triton kernel, 0.946x
-    (2026-12-02-gpu-s30/call5_runs: 60,616 over 64,286), each ratio within 1%. Not fitted: 8b's
-    blocks cut to 16 (seq 8192), the Gluon kernel's grouped run over the default of one call,
-    22,161 over 21,231 (2026-12-04-gpu-s43/call3_slice8b_int8_grouped), within 1.5%."""
+    against the grouped and the default run measured side by side, for each of its kernels (1b,
+    one H200):
+    the Gluon kernel with its fused multiply-add, 1.47x bf16 (raw outputs of
+    2026-12-03: 66,957 over 65,763 tokens/s), its 128-wide tile before that, 1.20x
+    (raw outputs of 2026-12-02: 63,265 over 64,082) and the Triton kernel, 0.946x
+    (raw outputs of 2026-12-02: 60,616 over 64,286), each ratio within 1%. Not fitted: 8b's
+    blocks cut to 16 (seq 8192), the Gluon kernel's grouped run over the default beside it,
+    22,161 over 21,231 (raw outputs of 2026-12-04), within 1.5%."""
     machine = datasheet_machine(GPUS["h200-141gb"])
     shape = ("model=1b", "trainer.seq_len=2048", "trainer.micro_batch_size=8", "strategy=single")
 

@@ -109,7 +109,7 @@ def cast_shards(
     this cache, in FSDP's pre-all-gather) each cast was a compiled region of its own, 0.3-0.6 ms
     of host time, seven per block, and at model=1b under fsdp on 2 H200s the host then fell
     behind the GPU: 236 ms a step of the compute stream idle waiting for launches, and fp8
-    at 0.87x bf16 (98.7k against 113.6k tokens/s, bench/results/2026-11-28-gpu-s13/)."""
+    at 0.87x bf16 (98.7k against 113.6k tokens/s, raw outputs of 2026-11-28)."""
     global _compiled_cast_all
     if not hps or not compiled:
         return _cast_all(hps, scales, dtype)

@@ -4,11 +4,11 @@ torchao's tensorwise recipe scales dynamically: each input and output gradient i
 its amax and again for the cast, since the cast's scale depends on the whole tensor. At
 model=1b on one H200 those amax-only reads were about 20 ms of fp8's 254 ms of GPU time a step
 (the SwiGLU backward's gradient 6.8 ms, the forward's norms about 7.6, the RoPE backward's 4.0,
-the SwiGLU forward's 3.1: bench/results/2026-11-30-gpu-s22/call5_profile1b/). torchao has
+the SwiGLU forward's 3.1: raw outputs of 2026-11-30). torchao has
 dropped its delayed scaling; this is Transformer Engine's recipe on torchao's Float8Linear.
-Measured at 1b on one H200: 1.046x dynamic fp8's tokens/s, 1.24x bf16's (three calls,
-bench/results/2026-11-30-gpu-s23/ and -s24/). At 8b under fsdp on two GPUs it is 0.986x
-dynamic fp8 (-s24/call1): the amax passes are a smaller part of the wider GEMMs there, so it
+Measured at 1b on one H200: 1.046x dynamic fp8's tokens/s, 1.24x bf16's (three benchmark runs,
+raw outputs of 2026-11-30). At 8b under fsdp on two GPUs it is 0.986x dynamic fp8 (the same
+day's): the amax passes are a smaller part of the wider GEMMs there, so it
 is not the default. The kernels' fusion is not yet seen in a trace.
 
 Delayed scaling casts with a scale known before the tensor is made: fmax / (the largest amax
@@ -25,7 +25,7 @@ the precomputed one is already off the critical path).
   cut to 16 on one H200, from empty compile caches, step 5 came 106 s into the loop against
   161 s with the dynamic step compiled too (bf16: 43 s), at the same speed and memory after;
   at 1b 142 s and 155 s, where the compiled first step had not reached step 5 after 300 s
-  (forty-second session, bench/results/2026-12-04-gpu-s42/).
+  (docs/benchmarks.md, "Start-up"; `startup/first_step.json` in bench/results).
   `precision.fp8_first_step=compiled` compiles it too. Each rank's
   histories go into its own file of a checkpoint (`state_dict()`, through the strategy's
   `rank_state`), so a resume goes on with delayed scales: the same steps as a run that was

@@ -5,10 +5,10 @@ for the weight gradient, dW = dyᵀ·x, torchao makes token-contiguous copies of
 token-major fp8 activations (`clone(permute(t, [1, 0]))` in the compiled graph). Inductor fuses
 each such copy into the kernel that produces the fp8 tensor. Where that kernel works row by row
 (the RMSNorm backward that yields the gradient w2's backward reads, the SwiGLU backward), one
-row's bytes go one per row of the transposed output: uncoalesced writes. In the fifth session's
-8b fsdp trace (seq 8192, 2x H200; docs/benchmarks.md) the RMSNorm backward took 1.94 ms a layer
-under fp8 against 0.19 ms under bf16, 56 ms of a 718 ms step, and the SwiGLU backward 12 ms
-more than bf16's.
+row's bytes go one per row of the transposed output: uncoalesced writes. In an 8b fsdp trace
+(seq 8192, 2x H200; `bash bench/lowp.sh profile8b`, docs/benchmarks.md) the RMSNorm backward
+took 1.94 ms a layer under fp8 against 0.19 ms under bf16, 56 ms of a 718 ms step, and the
+SwiGLU backward 12 ms more than bf16's.
 
 `TransposesApart`, a post-grad graph pass that `apply_fp8` installs, replaces every such copy
 of a contiguous 2-D fp8 tensor with `dtrain::fp8_transpose`, an op Inductor cannot fuse: the

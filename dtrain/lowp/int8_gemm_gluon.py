@@ -10,7 +10,7 @@ warp-specialized, so that one warpgroup's epilogue runs while the other's MMAs d
     TMA reads, both scales); int8_triton.int8_mm runs the Triton kernels elsewhere.
 
 Why: the Triton persistent TMA kernel (int8_triton._int8_mm_tma_kernel) runs at about 60% of
-the int8 peak on 1b's shapes (1,170-1,220 TOP/s of 1,979 in bench/results/2026-12-02-gpu-s31/)
+the int8 peak on 1b's shapes (1,170-1,220 TOP/s of 1,979 in raw outputs of 2026-12-02)
 where cuBLAS runs bf16 at 62% and its fp8 GEMM 5-12% faster than it. Its eight warps compute
 one tile together: at the end of each tile they all stop issuing MMAs to convert, scale and
 store it, and at K = 2,048 (most of 1b's GEMMs: 16 steps of 128) that epilogue is a tenth of

@@ -20,7 +20,7 @@ Each group's integer sum is exact (at most 128 * 127^2 < 2^24, so exact in fp32 
 scaled and added to an fp32 accumulator group by group, the multiply and the add one fused
 multiply-add rounded once (`fma_f32` here, fma.rn.f32 in the kernels): two instructions a value
 in the GEMM's promotion where rounding them apart takes three, which made the Gluon kernel 7-11%
-faster (bench/results/2026-12-02-gpu-s32/), and one rounding, not two. A loud token now flattens
+faster (raw outputs of 2026-12-02), and one rounding, not two. A loud token now flattens
 only its own group's 127 neighbours. The GEMM reads gq with the tokens contiguous and xq
 column-major (both operands K-major, what Hopper's int8 wgmma reads), so xq is transposed once
 per layer, as in the "int8" mode.
@@ -34,7 +34,7 @@ DTRAIN_INT8_QUANTIZE keeps the output gradients' apart (its default), else the t
 which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries of dy (about
 370 MB each for 1b's w1 at 16,384 tokens).
 
-Speed, measured (1x H200, bench/results/2026-12-03-gpu-s33/, with the fused multiply-add): the
+Speed, measured (1x H200, raw outputs of 2026-12-03, with the fused multiply-add): the
 Triton GEMM runs at 0.98-1.18x cuBLAS's bf16 on 1b's and 8b's grad-weights, since each group's
 promotion waits for its wgmma and the next wgmma for the promotion. On Hopper the Gluon GEMM
 (dtrain/lowp/int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.47x over 1b's block,

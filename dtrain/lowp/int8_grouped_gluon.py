@@ -7,8 +7,8 @@ runs while the other's MMA does.
     float32(a[:, j] @ b[j]) * a_scale[:, j], each group's scale-and-add one fused
     multiply-add in fp32), for operands TMA can read.
 
-Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, bench/results/
-2026-12-02-gpu-s30/). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
+Why: the Triton kernel ran at cuBLAS bf16's speed on an H200 (0.86-1.00x, raw
+outputs of 2026-12-02). Each K step of its 8 warps waits for the group's wgmma, promotes the int32
 sum (convert, scale, add), and only then issues the next; a CTA-wide barrier keeps its two
 warpgroups in step, so the tensor cores idle during every promotion. Waiting for fewer wgmmas
 in one warpgroup does not help: ptxas serialises every wgmma when other instructions read an
@@ -26,13 +26,13 @@ consumer 0 promotes step j while consumer 1's MMAs run and consumer 1 promotes w
 0's step j + 1 runs. Stages: `ready` (count 1: the producer's expected bytes) and `empty` (one
 arrive per consumer, after its wgmmas have read the stage; all start free).
 
-Measured on an H200 (bench/results/2026-12-02-gpu-s31/): bit for bit the portable path at every
+Measured on an H200 (raw outputs of 2026-12-02): bit for bit the portable path at every
 tile; on model=1b's and 8b's grad-weights 1.08-1.38x cuBLAS's bf16 and 1.27-1.81x the Triton
 kernel (the 256-wide tile, 4 stages: 0.424 ms for 1b's w1 against 0.574 and 0.591), 830-930
 TOP/s where the default int8 GEMM (one int32 sum) runs at 1,150-1,240. The exact magic-number
-int32-to-fp32 conversion in place of cvt was 8-12% slower here (call 4); the promotion as one
+int32-to-fp32 conversion in place of cvt was 8-12% slower here; the promotion as one
 fused multiply-add (two instructions a value instead of a multiply and an add rounded apart,
-three) 7-11% faster at every 1b and 8b grad-weight (2026-12-02-gpu-s32/), so it is the
+three) 7-11% faster at every 1b and 8b grad-weight (raw outputs of 2026-12-02), so it is the
 arithmetic here and in the portable path; three consumers on 192 rows (each promotion hidden
 behind two others' MMAs) were slower at every grad-weight (1b w1 0.441 ms against 0.426): the
 promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for
@@ -69,7 +69,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # beside the fp32 ones in the 232 registers a consumer is given. (BLOCK_M + BLOCK_N) * 128 bytes
 # of shared memory a stage. 128 x 256 with 4 stages was the fastest at each of 1b's and 8b's
 # grad-weights, 8-10% faster than 128 wide (the B tile is read once for twice the outputs); 3
-# stages within 2% (bench/results/2026-12-02-gpu-s31/call3_tiles256).
+# stages within 2% (raw outputs of 2026-12-02).
 TILES = [(128, 256, 4), (128, 256, 3), (128, 128, 4)]
 _ROWS = gl.constexpr(64)  # a consumer warpgroup's rows: wgmma's M
 _GROUP = gl.constexpr(GROUP)  # the kernels' K step

@@ -63,7 +63,7 @@ _GROUP_K = tl.constexpr(GROUP)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K = GROUP, num_warps, num_stages): 32 KB of shared memory a stage at
 # 128 x 128. On an H200 autotuning chose 128 x 128 at 8 warps for the persistent TMA kernel at
-# every 1b and 8b grad-weight (bench/results/2026-12-02-gpu-s30/call1_tests_gemms/).
+# every 1b and 8b grad-weight (raw outputs of 2026-12-02).
 _TILES = [
     (128, 128, GROUP, 8, 3),
     (128, 128, GROUP, 8, 4),
@@ -92,7 +92,7 @@ else:
         # fma_f32 and the Gluon kernel compute it. PTX's explicit fma.rn.f32: libdevice's and
         # tl.fma's forms may be compiled to flush-to-zero (.ftz), which eager's fp32 is not.
         # One rounding, two instructions a value where a multiply and an add rounded apart
-        # take three: 7-11% faster in the Gluon kernel (bench/results/2026-12-02-gpu-s32/).
+        # take three: 7-11% faster in the Gluon kernel (raw outputs of 2026-12-02).
         s = tl.broadcast_to(s, part.shape)
         return tl.inline_asm_elementwise(
             "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part, s, acc], dtype=tl.float32,

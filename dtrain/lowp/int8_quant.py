@@ -36,7 +36,7 @@ def codes(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     an IEEE division a value bounded the Triton quantizes on an H200 (a tile kernel quantizing
     1b's 16,384 x 5,632 output gradient both ways: 0.379 ms with it, 0.152 with the multiply;
     the row-wise op now runs at a plain copy's speed, 0.074 ms against 0.071:
-    bench/results/2026-12-03-gpu-s34/), and the result is at most one code from the division's
+    raw outputs of 2026-12-03), and the result is at most one code from the division's
     (the product is within about an ulp of the quotient)."""
     return (v * torch.reciprocal(scale)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
 

@@ -87,13 +87,13 @@ _INTERPRET_CONFIG = (32, 32, 32, 4, 1)  # the interpreter runs tiles in numpy: k
 _GROUP_M = 8
 # Which GEMM kernel int8_mm runs on large problems on a GPU: "tma" (the persistent kernel with
 # TMA loads, the default: 1.03-1.28x the pointer kernel on the nine 1b shapes, 0.95-1.35x on
-# the twelve 8b ones, on an H200: bench/results/2026-12-01-gpu-s25/), "pointer" (tiles
+# the twelve 8b ones, on an H200: raw outputs of 2026-12-01), "pointer" (tiles
 # loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8_gemm_gluon.py:
 # persistent and warp-specialized, one warpgroup's epilogue beside the other's MMAs, where it
 # applies: Hopper, both scales, operands TMA reads; "tma" elsewhere) or "fastest" (per
 # problem the faster of "gluon" and "tma", timed once where the Gluon kernel applies: the Gluon
 # kernel was 1.09-1.17x the TMA one at K >= 5632 and 0.83-0.86x at K = 2048 on an H200,
-# bench/results/2026-12-03-gpu-s36/; both write the same bits). precision.int8_gemm sets it
+# raw outputs of 2026-12-03; both write the same bits). precision.int8_gemm sets it
 # (configure), once, where the layers are swapped: the ops take tensors only.
 GEMM = "tma"
 
@@ -337,10 +337,10 @@ _TMA_TILES = [
     # stages, are the fastest at 1b's and 8b's shapes, but their epilogue's staging in shared
     # memory comes on top of the operand stages: 128x256 with a 4-byte output (fp32 or int32)
     # needs 278,552 bytes, over the H200's 232,448, and 256x128 with an unscaled int32 one
-    # (it fits with fp32: bench/results/2026-12-01-gpu-s26/call4_tile_check/). Autotuning
+    # (it fits with fp32: raw outputs of 2026-12-01). Autotuning
     # times such a config as infinite (`bench_or_skip`) and picks among the rest; with bf16
     # outputs, what training's forward writes, both fit. Leaving them out (f3595b7) made 17 of
-    # the 21 1b and 8b GEMMs 11-23% slower (bench/results/2026-12-01-gpu-s26/: w2's forward
+    # the 21 1b and 8b GEMMs 11-23% slower (raw outputs of 2026-12-01: w2's forward
     # at 1b 0.364 against 0.306 ms, one call).
     (128, 256, 128, 8, 3),
     (256, 128, 128, 8, 3),
@@ -787,9 +787,9 @@ def tuned_rows(kernel, configs, key: list[str]):
 
 
 # (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C) for rows that are
-# contiguous in memory (transposed views take quantize_blocks' fixed tile). Two sweeps of a
-# 2 x 2,048 tile at 8 warps was the only way until the twenty-eighth session, whose 1b trace
-# put this kernel at 14.0 ms a step (dy's quantizes, every layer, the default since). Timed
+# contiguous in memory (transposed views take quantize_blocks' fixed tile). With two sweeps of a
+# 2 x 2,048 tile at 8 warps as its only tile, a 1b trace (`bash bench/lowp.sh profile1b`) put
+# this kernel at 14.0 ms a step (dy's quantizes, every layer). Timed
 # alone (bench/results/2026-11-27-int8), it quantized 1b's 16,384 x 2,048 bf16 activations in
 # 0.075 ms where Inductor's persistent reduction, which loads each row once, took 0.053; one
 # pass here does the same. Registers a thread for sm_90a with bf16 rows (ptxas, none spilled,

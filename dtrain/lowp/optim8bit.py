@@ -195,16 +195,16 @@ def grouped_adamw8bit_class() -> type:
     class GroupedAdamW8bit(AdamW8bit):
         """torchao's AdamW8bit, stepped a group of like tensors per compiled call.
 
-        torchao steps each tensor in a compiled call of its own. Under FSDP2 that held the
-        host about 0.77 ms a tensor: model=8b int8 with 8-bit moments on 2x H200 ran at
-        16,290 tokens/s against 21,063 with fused AdamW, and at 1b the GPU sat idle 204 ms a
-        step waiting for launches (docs/benchmarks.md, seventeenth session; dtrain/memory/
-        speed.py). Here the DTensors and torchao's 8-bit states are unwrapped to their plain
-        tensors first, and each group of tensors of one shape (chunks_of_like_tensors) is
-        updated by one compiled call; on CUDA each fp32 tensor whose moments are both 8-bit
-        is stepped by one Triton kernel instead (fused_kernel_takes, optim8bit_triton.py). The
-        states, the arithmetic (torchao's own functions, op for op) and the state dict are
-        torchao's, so checkpoints move between the two.
+        torchao steps each tensor in a compiled call of its own. Under FSDP2 that held the host
+        about 0.77 ms a tensor: model=8b int8 with 8-bit moments on 2x H200 ran at 16,290 tokens/s
+        against 21,063 with fused AdamW, and at 1b the GPU sat idle 204 ms a step waiting for
+        launches (dtrain/memory/speed.py; 21,063 is 8b's int8 row of docs/benchmarks.md,
+        "Precision"). Here the DTensors and torchao's 8-bit states are unwrapped to their plain
+        tensors first, and each group of tensors of one shape (chunks_of_like_tensors) is updated by
+        one compiled call; on CUDA each fp32 tensor whose moments are both 8-bit is stepped by one
+        Triton kernel instead (fused_kernel_takes, optim8bit_triton.py). The states, the arithmetic
+        (torchao's own functions, op for op) and the state dict are torchao's, so checkpoints move
+        between the two.
         """
 
         def __init__(self, *args, compiled: bool = True, **kwargs):

@@ -15,8 +15,8 @@ What then bound it was the 256-entry code table: torchao finds a code by a binar
 dependent reads per element and moment, and the L1 serves a gather one cache line at a time.
 Each code is computed from its value here (`_code_guess`) and checked against the two table
 values around it; with one block a program on one warp, the step at 8b's shapes takes 21.0 ms
-against the binary search's 32.7 and fused AdamW's 17.2 (bench/results/2026-11-30-gpu-s22/
-call3_*).
+against the binary search's 32.7 and fused AdamW's 17.2 (`python bench/optim8bit.py`,
+raw outputs of 2026-11-30).
 
 The arithmetic is torchao's (quant_utils: dequant_with_qmap, scale_tensor,
 quantize_8bit_with_qmap; adam.single_param_adam), op for op, with the rounding Inductor's code

@@ -40,7 +40,7 @@ from dtrain.strategies import STRATEGIES, Collective
 
 # Share of the datasheet peak the model's matmuls run at, compiled as one graph: fitted to
 # model=1b on one H200 (bf16, micro-batch 8 x 2048: 59.3-59.6k tokens/s, 55.5% MFU;
-# bench/results/2026-11-26e/call2.tgz, call3.tgz); its trace put the matmuls at 0.59.
+# raw outputs of 2026-11-26); its trace put the matmuls at 0.59.
 MATMUL_EFFICIENCY = 0.66
 # Attention (cuDNN, causal) by the 12·L·d·T convention: 729 TFLOP/s on an H100 (seq 2048,
 # docs/benchmarks.md's kernel table), 722 on an H200 in the 8b trace (seq 8192): 0.74 of peak.
@@ -75,16 +75,16 @@ PCIE_BYTES_PER_S = 25e9
 # - Its kernel moves the fewer bytes of 8-bit moments at 1/2.3 the rate the bytes model gives
 #   fused AdamW (each element also looks its two codes up in a 256-entry table, and computes
 #   each new code from its value). Fitted to model=8b under fsdp on 2 GPUs: with fp8 and int8
-#   it ran at 1.244x and 1.046x the bf16 run of its call; the factor that gives the plan those
-#   ratios is 2.3 (1.244x, 1.045x; bench/results/2026-11-30-gpu-s22/call4_*). Alone at 8b's
-#   shapes (2.16B parameters, bench/optim8bit.py, call3_*) it took 21.0 ms of GPU time against
-#   fused AdamW's 17.2 ms (32.7 ms before the codes were computed, 2026-11-29-gpu-s21).
+#   it ran at 1.244x and 1.046x the bf16 run measured beside it; the factor that gives the plan
+#   those ratios is 2.3 (1.244x, 1.045x; raw outputs of 2026-11-30). Alone at 8b's
+#   shapes (2.16B parameters, bench/optim8bit.py, the same day) it took 21.0 ms of GPU time against
+#   fused AdamW's 17.2 ms (32.7 ms before the codes were computed, raw outputs of 2026-11-29).
 # - Its host: 16.8 ms a step for 1b's 218 tensors, 10.4 ms for the 75 tensors of 8b's shapes
-#   cut to 8 blocks (2026-11-29-gpu-s21/call5_*, the kernel before the codes were computed; a
+#   cut to 8 blocks (raw outputs of 2026-11-29, the kernel before the codes were computed; a
 #   Triton launch a tensor), a floor that binds where the bytes are few (model=tiny); 0.123 ms
-#   a tensor, as the compiled groups before it held the host (2026-11-29-gpu-s20/call1_*).
+#   a tensor, as the compiled groups before it held the host (raw outputs of 2026-11-29).
 # torchao's own AdamW8bit (a call per tensor) held the host 0.77 ms a tensor under FSDP2
-# (bench/results/2026-11-29-gpu-s17/call4_*), the cost the grouping removed.
+# (raw outputs of 2026-11-29), the cost the grouping removed.
 EIGHT_BIT_STEP_SLOWDOWN = 2.3
 HOST_S_PER_8BIT_TENSOR = 0.123e-3
 
@@ -105,13 +105,13 @@ QUANT_SPEED = {
     # dtrain's int8 on Hopper's Triton GEMMs: the persistent TMA kernel ran model=1b's forward
     # and grad-input GEMMs (weighted by how often a block runs each) 1.588x bf16 torch.mm, so
     # 0.79 of the bf16 share of the int8 peak (twice bf16's); 8b's 1.722x, 0.86
-    # (bench/results/2026-12-01-gpu-s25/call2_gemms_tma; the pointer kernel before it: 1b
+    # (raw outputs of 2026-12-01; the pointer kernel before it: 1b
     # 0.74, which this was). Grad-weight in bf16 (SwitchBack) unless int8_grad_weight says
-    # int8 (GROUPED_GRAD_WEIGHT_VS_BF16 for int8_grouped). Cast passes 1.5, from 3.0: since the
-    # thirty-fourth session the quantizes multiply by a reciprocal (copy speed, most of them
-    # fused into their producers); fitted to 1b on one H200, 1.100x bf16 (planned 1.100), and
+    # int8 (GROUPED_GRAD_WEIGHT_VS_BF16 for int8_grouped). Cast passes 1.5, not 3.0: the
+    # quantizes multiply by a reciprocal (copy speed, most of them fused into their
+    # producers); fitted to 1b on one H200, 1.100x bf16 (planned 1.100), and
     # not fitted, 8b's blocks on one, 1.128x (planned 1.111; 3.0 planned 1.017x and 1.077x):
-    # bench/results/2026-12-03-gpu-s36/call3_*, call4_*.
+    # raw outputs of 2026-12-03.
     "int8": QuantSpeed("int8", efficiency=0.79, cast_passes=1.5, share=2 / 3),
     # torchao's module swap (the reference): 0.34x bf16 under fsdp (docs/benchmarks.md).
     "int8-torchao": QuantSpeed("int8", efficiency=0.2, cast_passes=6.0),
@@ -120,28 +120,28 @@ QUANT_SPEED = {
 # precision.int8_grad_weight=int8_grouped: its grad-weight GEMM on Hopper is the warp-specialized
 # Gluon kernel (dtrain/lowp/int8_grouped_gluon.py), 1.47x cuBLAS's bf16 on model=1b's
 # grad-weights weighted by how often a block runs each (four of q,o's shape, two of w1,w3's, one
-# of w2's; 1x H200, bench/results/2026-12-03-gpu-s33/call1_tests_gemms_runs: its default tile with
+# of w2's; 1x H200, raw outputs of 2026-12-03: its default tile with
 # each group's scale-and-add one fused multiply-add): planned at the bf16 rate times that. Its
 # operands, dy and the saved input, are quantized along the tokens in groups, which the
 # default's bf16 grad-weight reads as they are: GROUPED_CAST_PASSES more passes over each
 # block's features. Fitted on 1b on one H200 to the grouped run over the default int8 run of one
-# call, 66,957 over 65,763 tokens/s (1.018, the same call): planned 1.023. Earlier kernels, each
-# against the default of its own call, are planned within 1% too (tests/test_planner.py): the
-# Gluon kernel's 128-wide tile (1.20x bf16; 0.987, 2026-12-02-gpu-s31/call2_runs) and the
-# Triton kernel (0.946x; 0.943, 2026-12-02-gpu-s30/call5_runs). Not fitted, 8b's widths (16 of
+# benchmark invocation, 66,957 over 65,763 tokens/s (1.018): planned 1.023. Earlier kernels, each
+# against the default measured beside it, are planned within 1% too (tests/test_planner.py): the
+# Gluon kernel's 128-wide tile (1.20x bf16; 0.987, raw outputs of 2026-12-02) and the
+# Triton kernel (0.946x; 0.943, raw outputs of 2026-12-02). Not fitted, 8b's widths (16 of
 # its blocks, seq 8192, one H200): 22,161 over 21,231 (1.044), planned 1.056
-# (2026-12-04-gpu-s43/call3_slice8b_int8_grouped).
+# (raw outputs of 2026-12-04).
 GROUPED_GRAD_WEIGHT_VS_BF16 = 1.47
 GROUPED_CAST_PASSES = 1.0
 
 # precision.fp8_fast_accum: each fp8 GEMM that accumulates fast (no periodic promotion to fp32)
 # runs this much faster than a promoted one. QUANT_SPEED's fp8 efficiency was fitted with
 # torchao's recipe, the forward GEMM fast and the two backward ones promoted, so that mix keeps
-# it (`fast_accum_factor`). Fitted to the one A/B of one call: 8b's blocks cut to 16 on one
+# it (`fast_accum_factor`). Fitted to one side-by-side A/B: 8b's blocks cut to 16 on one
 # H200, grad_input over forward 23,281 / 22,919 tokens/s, 1.0158 (planned 1.0157;
-# bench/results/2026-12-04-gpu-s41/call2_*). Not fitted: "all" over "forward" with the LM head
-# in fp8 at 1b, 73,839 / 71,608, 1.031 (planned 1.044; 2026-11-29-gpu-s18/call3_*), and 1b at
-# fp8's defaults, 75,986 and 76,191 (planned 76,777; 2026-12-04-gpu-s40; 75,227 unpriced).
+# raw outputs of 2026-12-04). Not fitted: "all" over "forward" with the LM head
+# in fp8 at 1b, 73,839 / 71,608, 1.031 (planned 1.044; raw outputs of 2026-11-29), and 1b at
+# fp8's defaults, 75,986 and 76,191 (planned 76,777; raw outputs of 2026-12-04; 75,227 unpriced).
 FAST_ACCUM_SPEEDUP = 1.145
 FAST_GEMMS = {"forward": 1, "grad_input": 2, "all": 3}  # of forward, grad-input, grad-weight
 
@@ -158,8 +158,8 @@ def fast_accum_factor(mode: str) -> float:
 
 # precision.fp8_scaling=delayed: the amax pass over each cast operand is fused into the kernel
 # that makes it (dtrain/lowp/fp8_delayed.py). One pass of three: 1b on one H200 is planned at
-# 75.2k tokens/s (dynamic 70.8k), measured 74.2k and 75.0k in two calls (dynamic 70.9k in the
-# first; bench/results/2026-11-30-gpu-s23/).
+# 75.2k tokens/s (dynamic 70.8k), measured 74.2k and 75.0k in two runs (dynamic 70.9k beside the
+# first; raw outputs of 2026-11-30).
 DELAYED_SAVED_PASSES = 1.0
 
 

@@ -87,11 +87,13 @@ _ZERO_GATHER_UPDATED = Collective(
 _ZERO_REDUCE = dict(op="reduce_scatter", tensor="grads", dtype="reduce", calls="buckets")
 # ZeRO-3 without DeepCompile: each module's parameters are fetched and released by Python hooks,
 # one collective at a time. 1b, 2x H200, bf16, micro-batch 8 x 2048, tokens/s per GPU (each
-# run's summary figure): eager 36,968 (2026-11-26b), 33,158 and 30,344 (2026-11-27, calls 4 and 5,
-# bench/launch_times.py's median of steps 13-20; call 5's fsdp: 56,424);
-# under plain torch.compile, whose graphs break at every hook, 25,959 (call 4). The shares of
+# run's summary figure): eager 36,968 (2026-11-26), 33,158 and 30,344 (2026-11-27, two runs,
+# bench/launch_times.py's median of steps 13-20; fsdp beside the second: 56,424);
+# under plain torch.compile, whose graphs break at every hook, 25,959 (2026-11-27). The shares of
 # the compiled matmul rate that plan them: eager 33.6k (−9%..+11% of the three), compiled 26.0k.
-# bench/results/2026-11-26b/dtrain_zero3.json, 2026-11-27-gpu-s9/launch_times_2xh200/.
+# docs/benchmarks.md, "Throughput against a hand-written loop and other frameworks"
+# (`throughput/zero3_1b_2gpu.json`); the 2026-11-27 runs' raw outputs are in git history
+# (bench/results/README.md).
 EAGER_ZERO3 = 0.51
 HOOKED_COMPILED_ZERO3 = 0.39
 ZERO_SPEED = {

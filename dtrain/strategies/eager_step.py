@@ -7,8 +7,8 @@ every later step runs (dtrain/lowp/fp8_delayed.py). So that step runs eagerly
 
 Eager, a step keeps what Inductor fuses away, and the caching allocator keeps what it reserved
 for the rest of the run: at 1b on one H200 (micro-batch 8 x 2048) a plain eager fp8 first step
-peaked at 45.6 GiB allocated and 48.0 reserved, against 37.3 and 38.5 for the compiled steps
-(forty-second session call 1), fp8's memory saving gone. So the eager step
+peaked at 45.6 GiB allocated and 48.0 reserved, against 37.3 and 38.5 for the compiled steps,
+fp8's memory saving gone. So the eager step
 - recomputes each transformer block in backward (torch.utils.checkpoint: a block keeps only its
   input): one more forward of one step;
 - runs the loss compiled (`set_stance("default")` inside): eager, it would hold an fp32 copy

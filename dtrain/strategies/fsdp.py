@@ -288,7 +288,7 @@ def grads_from_compute_pool(modules: list[nn.Module], device: torch.device) -> b
     activations on the compute stream, cannot take that freed memory, so the run reserves both.
     At 8b under fsdp on 2x H200 (bf16, seq 8192) that stream reserved 14.96 GiB, all the fp32
     gradient shards, beside the compute stream's 90.74: 108.65 GiB reserved for 90.50 allocated
-    (profile.memory_snapshot_steps, bench/results/2026-11-27-gpu-s10/).
+    (profile.memory_snapshot_steps, raw outputs of 2026-11-27).
 
     Safe because FSDP2 makes the reduce-scatter stream wait for the compute stream just before
     it allocates the output (so no compute kernel still reads memory handed out here), the

@@ -52,8 +52,8 @@ def test_delayed_scaling_compiles_and_is_as_close_to_bf16_as_dynamic_scaling_on_
     """precision.fp8_scaling=delayed in a compiled block at 1b's widths, on the same input
     twice: the first step scales dynamically; after the history rolls, the second casts with
     the history's scale, fused where the tensors are made. Not bitwise dynamic's: fused, a
-    norm's output goes to fp8 without the bf16 rounding between (the first run of this test,
-    twenty-third session: outputs 0.0162 apart at most, fp8's rounding step). So each output
+    norm's output goes to fp8 without the bf16 rounding between (on an H200 the outputs came
+    0.0162 apart at most, fp8's rounding step). So each output
     and gradient of both steps is held to dynamic scaling's own distance from the same block
     in bf16 (with a quarter more room)."""
     pytest.importorskip("torchao")

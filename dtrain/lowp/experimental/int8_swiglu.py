@@ -16,12 +16,12 @@ launched:
     recompute it), nor is w2's int8 input: the gate's backward kernel recomputes it with the
     gradients, for w2's grad-weight. F x 3 bytes a token less memory per layer (16.5 KiB at
     1b) than the eager layers keep; compiled, AOTAutograd's partitioner chooses what the
-    unfused gate saves (at 1b it recomputes h: the fused gate that kept hq had 2.06 GiB more
-    peak allocated, 24 layers x 16,384 tokens x 5,632 bytes, in the twenty-seventh session);
+    unfused gate saves (at 1b it recomputes h: a fused gate that kept hq had 2.06 GiB more
+    peak allocated, 24 layers x 16,384 tokens x 5,632 bytes);
   - under torch.compile the two fused kernels are opaque custom ops, so Inductor cannot turn
     the gate's pointwise kernels into the looped row reductions that took 18.7 ms a step more
-    than bf16's pointwise ones in the twenty-sixth session's 1b trace
-    (dtrain/lowp/experimental/int8_swiglu_triton.py).
+    than bf16's pointwise ones in a 1b trace (`bash bench/lowp.sh profile1b`;
+    dtrain/lowp/experimental/int8_swiglu_triton.py).
 
 Applies to modules that declare `swiglu = (gate, up, down)` (dtrain.model.FeedForward) whose
 three linears were swapped to Int8Linear without bias: `fuse_swiglu` changes their class to a

@@ -17,7 +17,7 @@ quantizes of w1's and w3's output gradients, each one kernel.
 
 Why: under torch.compile Inductor fuses a quantize into the kernel that produces its input,
 and for these two that makes a row reduction over F = 5,632 values (1b) of a pointwise kernel,
-which Inductor loops, computing its inputs twice. The twenty-sixth session's 1b trace:
+which Inductor loops, computing its inputs twice. A 1b trace (`bash bench/lowp.sh profile1b`):
 21.5 ms a step for the gate's backward with the two quantizes (bf16's pointwise backward,
 7.0 ms) and 7.2 ms for the product with w2's quantize (3.0). Here each program takes
 BLOCK_R whole rows, in one of two ways (autotuning chooses the way and the tile per shape,
@@ -27,12 +27,12 @@ among _TILES):
   - two sweeps, for rows of any length (past ONE_PASS_MAX the only way): a first computes
     the values and their abs-max, a second recomputes them from the same inputs, mostly in
     L2, and stores the int8 values.
-Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. The
-twenty-seventh session's 1b trace put the two sweeps at 27.4 ms a step (backward) and 10.3
-(forward), slower than Inductor's looped reductions, with the one tile they had then
-(2 x 2,048 values at 8 warps): each value is loaded and computed twice (an exp and two IEEE
-divisions), plus the quantize's division, and the backward's 97 registers a thread (ptxas
-for sm_90a) leave room for two programs of 8 warps a multiprocessor. One pass does each once.
+Either way the backward also stores ga and gb, which SwitchBack's grad-weight reads. A 1b
+trace put the two sweeps at 27.4 ms a step (backward) and 10.3 (forward), slower than
+Inductor's looped reductions, on a tile of 2 x 2,048 values at 8 warps: each value is loaded
+and computed twice (an exp and two IEEE divisions), plus the quantize's division, and the
+backward's 97 registers a thread (ptxas for sm_90a) leave room for two programs of 8 warps a
+multiprocessor. One pass does each once.
 
 The arithmetic is torch.compile's (what Inductor makes of silu and its backward, which the
 compiled three linears and bf16 training run): sigmoid(a) = 1 / (1 + exp(-a)) with Triton's
@@ -40,10 +40,10 @@ approximate exp (ex2) and division (div.full), silu(a) = a * sigmoid(a), and the
 dy * s * (1 + a * (1 - s)) with s = sigmoid(a), in fp32. PyTorch's eager kernels compute the same
 formulas with the CUDA math library's expf and IEEE divisions, so on a GPU the results are
 eager's within a few fp32 ulps before rounding: the GPU tests hold them to one bf16 step apart
-in at most a thousandth of the values. The thirty-fifth session took out those divisions (two
-a value, each a branch to a slow path) and the per-tile abs-max reductions across the
-program's warps (a barrier each tile; now each thread keeps its columns' maxima, reduced once
-a row): they made these kernels slower than Inductor's loops. In Triton's interpreter (CPU
+in at most a thousandth of the values. These kernels use neither IEEE divisions (two a value,
+each a branch to a slow path) nor per-tile abs-max reductions across the program's warps (a
+barrier each tile; each thread keeps its columns' maxima instead, reduced once a row): with
+them the kernels were slower than Inductor's loops. In Triton's interpreter (CPU
 tests, TRITON_INTERPRET=1) exp is numpy's and fp32 -> bf16 casts truncate, so there they agree
 within a bf16 step.
 """
@@ -244,15 +244,15 @@ def _check(name: str, *ts: torch.Tensor) -> tuple[int, int]:
     return first.shape
 
 
-# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two
-# sweeps' 2 x 2,048 at 8 warps is the tile the twenty-seventh session's trace timed (27.4 ms a
-# 1b step backward, with 97 registers a thread: two programs a multiprocessor), so smaller
-# tiles (fewer registers, more programs in flight) are in the list too. Registers a thread of
-# today's backward for sm_90a (ptxas, with the runtime's 16-byte alignment hints, none
-# spilled; Triton 3.6, the GPU machine's): one pass of 8,192 at 8/16/32 warps 128/77/51;
-# sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
-# (the forward's: 30-49). At 1b autotuning chose one pass at 8 warps for the forward and
-# sweeps of 1 x 2,048 for the backward (thirty-fifth session, bench/results/2026-12-03-gpu-s35).
+# (ONE_PASS, BLOCK_R, SWEEP_C, num_warps) autotuning chooses among per (R, C). The two sweeps' 2 x
+# 2,048 at 8 warps is the tile a 1b trace timed at 27.4 ms a step backward (with 97 registers a
+# thread: two programs a multiprocessor), so smaller tiles (fewer registers, more programs in
+# flight) are in the list too. Registers a thread of the backward for sm_90a (ptxas, with the
+# runtime's 16-byte alignment hints, none spilled; Triton 3.6): one pass of 8,192 at 8/16/32 warps
+# 128/77/51; sweeps 2 x 2,048 at 8 warps 123, 1 x 2,048 at 8 48, 1 x 1,024 at 4 48, 1 x 512 at 4 32
+# (the forward's: 30-49). At 1b autotuning chose one pass at 8 warps for the forward and sweeps of 1
+# x 2,048 for the backward (`PRECS='bf16 int8swiglu' bash bench/lowp.sh single1b`; raw outputs in
+# git history: bench/results/README.md).
 _TILES = [
     (True, 1, 1, 8),
     (True, 1, 1, 16),
