@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
     from dtrain.hf import HF_FILES
-    from dtrain.weights import consolidate, load_checkpoint, resolve_checkpoint
+    from dtrain.checkpoint.weights import consolidate, load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
     out = Path(args.out)

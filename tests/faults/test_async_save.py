@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dtrain.checkpoint as ckpt_mod
+import dtrain.checkpoint.manager as ckpt_mod
 from dtrain import faults, host_staging
 from dtrain.checkpoint import MANIFEST, MARKER, CheckpointManager, CheckpointSaveError
 from dtrain.config import CheckpointConfig

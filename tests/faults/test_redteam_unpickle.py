@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dtrain.errors import CheckpointError
-from dtrain.safe_load import (
+from dtrain.checkpoint.safe_load import (
     METADATA_GLOBALS,
     RefusedObject,
     load_metadata,

@@ -121,7 +121,7 @@ def checkpoint_configs(path: Path) -> tuple[ModelConfig, DataConfig, dict]:
 
 def saved_keys(path: Path, manifest: dict) -> set[str]:
     """Names of the tensors in a DCP checkpoint (from its .metadata index, read safely)."""
-    from dtrain.safe_load import load_metadata
+    from dtrain.checkpoint.safe_load import load_metadata
 
     return set(load_metadata(path, manifest["files"]).state_dict_metadata)
 
@@ -140,7 +140,7 @@ def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Build the checkpoint's model on `device` and load its weights (any strategy, any world
     size). Only the model is read; optimizer shards stay on disk."""
-    from dtrain.safe_load import load_into
+    from dtrain.checkpoint.safe_load import load_into
 
     path = Path(path)
     model_cfg, data_cfg, manifest = checkpoint_configs(path)
@@ -171,7 +171,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
 def consolidate(path: str | Path, out_file: str | Path) -> Path:
     """Write a (possibly sharded) DCP checkpoint as one torch.save file: {"model": ..., "optim":
     ..., "manifest": ...}, loadable with torch.load(weights_only=True) on one process."""
-    from dtrain.safe_load import load_all
+    from dtrain.checkpoint.safe_load import load_all
 
     path, out_file = Path(path), Path(out_file)
     manifest = CheckpointManager.read_manifest(path)

@@ -29,7 +29,7 @@ step against the folder's name, every file's sha256 against the manifest (a trun
 altered shard is named), the manifest's fields against their types and ranges, DCP's pickled
 `.metadata` is read by an unpickler that admits an exact list of DCP's own metadata classes,
 the pickled non-tensor items inside the shards (the optimizer's param_groups) and
-`extra_rank*.pt` are read as plain values only (dtrain.safe_load), and each rank's RNG state is
+`extra_rank*.pt` are read as plain values only (dtrain.checkpoint.safe_load), and each rank's RNG state is
 checked before it is applied. Loaders open only regular files the manifest lists: a link, FIFO,
 socket, device or directory in their place is refused without being opened or followed. No
 code in a checkpoint runs.
@@ -335,7 +335,7 @@ def check_checkpoint(
     lists is a regular file, the checksums (`files`; collective under torchrun), the .metadata
     allow-list and the files it names, that every pickled item in the shards is a plain value,
     and every rank's own state. A CheckpointError names the first problem."""
-    from dtrain.safe_load import check_objects
+    from dtrain.checkpoint.safe_load import check_objects
 
     listed = manifest["files"]
     for name in sorted(listed):
@@ -357,7 +357,7 @@ RANK_STATE_MAX_BYTES = 1 << 30  # RNG states and fp8's amax histories: kilobytes
 def read_rank_state(path: Path, name: str) -> tuple[dict, dict | None]:
     """A rank's (RNG state, own state) from its extra_rank{r}.pt, read as plain values and
     checked; CheckpointError naming the file otherwise."""
-    from dtrain.safe_load import RefusedObject, load_plain_file
+    from dtrain.checkpoint.safe_load import RefusedObject, load_plain_file
 
     try:
         saved = load_plain_file(path / name, RANK_STATE_MAX_BYTES)
@@ -508,7 +508,7 @@ def _storage_writer(partial: Path, step: int, *, keep_host_buffers: bool = False
             faults.point("ckpt.save.write", step=self.step)
             return super().write_data(plan, planner)
 
-    from dtrain.safe_load import RegularFiles
+    from dtrain.checkpoint.safe_load import RegularFiles
 
     writer = Writer(str(partial), cache_staged_state_dict=keep_host_buffers)
     writer.fs = RegularFiles()  # shards are new files in the new folder: never through a link
@@ -987,7 +987,7 @@ class CheckpointManager:
                 f"checkpoint {path}: {MANIFEST} is missing (its {MARKER} marker is there, so it "
                 "was removed after the save)"
             )
-        from dtrain.safe_load import read_regular
+        from dtrain.checkpoint.safe_load import read_regular
 
         try:
             marker = read_regular(path / MARKER, 4096).decode()
@@ -1045,7 +1045,7 @@ class CheckpointManager:
         rank's, or where the checkpoint was saved by another number of ranks, that of this
         rank modulo theirs (its RNG state is then not restored: it would repeat that rank's
         draws). None where the checkpoint has none (a dtrain that kept only RNG states)."""
-        from dtrain.safe_load import load_into
+        from dtrain.checkpoint.safe_load import load_into
 
         path = Path(path)
         manifest = self.read_manifest(path)
