@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.errors import CheckpointError
 from dtrain.checkpoint.safe_load import (
     METADATA_GLOBALS,
     RefusedObject,
@@ -36,6 +35,7 @@ from dtrain.checkpoint.safe_load import (
     plain_value,
     safe_unpickle,
 )
+from dtrain.errors import CheckpointError
 from tests.conftest import FAST, launch, train
 from tests.faults.helpers import one_error_line, replace_signed, run_command, snapshot
 

@@ -6,8 +6,8 @@ A checkpoint pickles in three places, each planted here with a pickle whose `__r
 creates a folder (the proof that code ran), the manifest re-signed as an attacker would: DCP's
 `.metadata` (an allow-list unpickler reads it first), `extra_rank*.pt` (weights_only=True), and
 the non-tensor items inside the `.distcp` shards (the optimizer's param_groups, or any tensor
-slot an attacker turns into an object), which dtrain.checkpoint.safe_load reads as plain values only. The
-data position and the run config live in manifest.json, which is JSON.
+slot an attacker turns into an object), which dtrain.checkpoint.safe_load reads as plain values
+only. The data position and the run config live in manifest.json, which is JSON.
 """
 
 import copy
@@ -212,9 +212,9 @@ def test_every_loader_refuses_a_pickle_in_every_slot(ckpt, tmp_path):
     generate and export format=hf (load_checkpoint), export format=torch (consolidate), and the
     safe planners alone, past the check that every pickled item is plain."""
     from dtrain.checkpoint import CheckpointManager
-    from dtrain.config import CheckpointConfig
     from dtrain.checkpoint.safe_load import load_all, load_into
     from dtrain.checkpoint.weights import consolidate, load_checkpoint
+    from dtrain.config import CheckpointConfig
 
     extra = _fp16_scaler_state()  # the state of an fp16 run, which has the most slots
     template = {**load_all(ckpt), **extra}  # loads write into it: any values of its shape do
