@@ -304,28 +304,12 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         started = time.perf_counter() if started is None else started
-        buffers_s = None  # making the host buffers: the first async save only
         self._check_idle()
         partial, err = self._begin(step)
         if err is not None:
             self._commit(step, err, manifest)  # raises, as save() does
-        if self._executor is None:
-            self._group = ddist.new_background_group(self.timeout_s)
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
-            pinned = pinned_staging()
-            self._writer = storage_writer(partial, step, keep_host_buffers=pinned)
-            if pinned:  # the writer's cache: one page-locked allocation (use_async made it)
-                if self._host is None:  # called without use_async
-                    self._pin_host_buffers(state)
-                (cache, self._writer.host_buffer), self._host = self._host, None
-                self._writer.state_dict_cache = cache
-                buffers_s, self._buffers_s = self._buffers_s, None
-                log.info(
-                    "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
-                    "%.1f s) hold the state being written, for the rest of the run",
-                    self._writer.host_buffer.numel() / 1024**3,
-                    buffers_s,
-                )
+        # making the host buffers: the first async save only
+        buffers_s = self._start_background(partial, step, state) if self._executor is None else None
         self._writer.step = step
         manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
         rng = rng_state()
@@ -357,6 +341,29 @@ class CheckpointManager:
         self._in_flight = _InFlight(
             step, started, future, stall, snapshot_s, dcp_s, stall, buffers_s
         )
+
+    def _start_background(self, partial: Path, step: int, state: dict) -> float | None:
+        """The first async save: the background thread, its process group and the one writer
+        of every async save, with its pinned host buffers on a GPU. The time making them took."""
+        self._group = ddist.new_background_group(self.timeout_s)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
+        pinned = pinned_staging()
+        self._writer = storage_writer(partial, step, keep_host_buffers=pinned)
+        if not pinned:
+            return None
+        # the writer's cache: one page-locked allocation (use_async made it)
+        if self._host is None:  # called without use_async
+            self._pin_host_buffers(state)
+        (cache, self._writer.host_buffer), self._host = self._host, None
+        self._writer.state_dict_cache = cache
+        buffers_s, self._buffers_s = self._buffers_s, None
+        log.info(
+            "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
+            "%.1f s) hold the state being written, for the rest of the run",
+            self._writer.host_buffer.numel() / 1024**3,
+            buffers_s,
+        )
+        return buffers_s
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
