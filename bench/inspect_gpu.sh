@@ -24,7 +24,7 @@ python3 - "$RUN" "$OUT" <<'PY' | tee $OUT/checks.json
 import json, sys, torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from dtrain.reporting.tensorboard import event_dirs
-from dtrain.weights import load_checkpoint, resolve_checkpoint
+from dtrain.checkpoint.weights import load_checkpoint, resolve_checkpoint
 run, out = sys.argv[1], sys.argv[2]
 acc = EventAccumulator(str(event_dirs(run)[0]), size_guidance={"images": 0, "tensors": 0}); acc.Reload()
 tags = acc.Tags()

@@ -120,9 +120,9 @@ def trained_run(tmp_path_factory):
 
 
 def test_export_cli_generate_cli_and_init_from(trained_run, tmp_path):
+    from dtrain.checkpoint.weights import load_checkpoint
     from dtrain.cli.export import main as export
     from dtrain.cli.generate import main as generate_cli
-    from dtrain.weights import load_checkpoint
 
     out = export([f"checkpoint={trained_run}", f"out={tmp_path / 'hf'}"])
     loaded = load_checkpoint(trained_run / "checkpoints" / "step_0000003")
@@ -159,8 +159,8 @@ def test_export_cli_generate_cli_and_init_from(trained_run, tmp_path):
 
 
 def test_consolidate_to_one_file(trained_run, tmp_path):
+    from dtrain.checkpoint.weights import load_checkpoint
     from dtrain.cli.export import main as export
-    from dtrain.weights import load_checkpoint
 
     out = export([f"checkpoint={trained_run}", f"out={tmp_path / 'one.pt'}", "format=torch"])
     state = torch.load(out, weights_only=False)

@@ -13,8 +13,8 @@ from tests.test_inspect import _events
 def test_ddp_run_logs_from_rank0_and_its_checkpoint_loads_on_one_process(tmp_path):
     """Two gloo ranks: the inspector runs on rank 0 only (the model is a full replica), and
     the checkpoint written by 2 ranks loads in one process with no process group."""
+    from dtrain.checkpoint.weights import load_checkpoint
     from dtrain.generate import SamplingConfig, generate
-    from dtrain.weights import load_checkpoint
 
     run = tmp_path / "run"
     res = launch(

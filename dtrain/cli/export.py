@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(f"format={args.format!r} is not valid; choose {', '.join(FORMATS)}")
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
+    from dtrain.checkpoint.weights import consolidate, load_checkpoint, resolve_checkpoint
     from dtrain.hf import HF_FILES
     from dtrain.safe_write import refuse_link, staged
-    from dtrain.weights import consolidate, load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
     out = Path(args.out)

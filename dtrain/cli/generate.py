@@ -42,10 +42,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 def main(argv: list[str] | None = None) -> list[str]:
     import torch
 
+    from dtrain.checkpoint.weights import load_checkpoint, resolve_checkpoint
     from dtrain.data import tokenizer_for
     from dtrain.dist import pick_device
     from dtrain.generate import SamplingConfig, generate
-    from dtrain.weights import load_checkpoint, resolve_checkpoint
 
     args = parse_kv_args(sys.argv[1:] if argv is None else argv)
     device = pick_device(args.device)

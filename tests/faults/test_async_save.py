@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dtrain.checkpoint as ckpt_mod
+import dtrain.checkpoint.host_memory as host_memory
+import dtrain.checkpoint.manager as manager
 from dtrain import faults, host_staging
 from dtrain.checkpoint import MANIFEST, MARKER, CheckpointManager, CheckpointSaveError
 from dtrain.config import CheckpointConfig
@@ -168,7 +169,7 @@ def test_async_saves_reuse_one_set_of_host_buffers(tmp_path, monkeypatch):
         return out
 
     pinned = []
-    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(manager, "pinned_staging", lambda: True)
     monkeypatch.setattr(host_staging, "_pin", lambda flat: pinned.append(flat.numel()))
     monkeypatch.setattr(BlockingAsyncStager, "stage", stage)
     train(tmp_path / "async", *twelve, ASYNC)
@@ -216,7 +217,7 @@ def test_fsdp_async_checkpoint_resumes_bit_exactly(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_complete_is_written_only_once_every_file_is_on_disk(tmp_path, monkeypatch, mode):
     synced: dict[str, str] = {}  # path -> sha256 of its bytes when it was fsynced
-    real_fsync, real_write = os.fsync, ckpt_mod._write_atomic
+    real_fsync, real_write = os.fsync, manager.write_atomic
 
     def fsync(fd: int) -> None:
         real_fsync(fd)
@@ -235,7 +236,7 @@ def test_complete_is_written_only_once_every_file_is_on_disk(tmp_path, monkeypat
         real_write(path, text)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(ckpt_mod, "_write_atomic", write_atomic)
+    monkeypatch.setattr(manager, "write_atomic", write_atomic)
     extra = [ASYNC] if mode == "async" else []
     train(tmp_path / "run", "trainer.max_steps=6", "checkpoint.keep_last=0", *SAVES, *extra)
     names = [f"step_{s:07d}.partial" for s in (2, 4, 6)]
@@ -300,9 +301,9 @@ def test_async_by_default_on_a_gpu_where_host_memory_holds_the_buffers(
     # checkpoint.async_save unset: on a GPU (here: CPU made to look like one, page-locking a
     # no-op) periodic saves go in the background where the node's available memory holds the
     # pinned buffers, and stay synchronous, said in one warning, where it does not.
-    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(manager, "pinned_staging", lambda: True)
     monkeypatch.setattr(host_staging, "_pin", lambda flat: None)
-    monkeypatch.setattr(ckpt_mod, "_available_host_bytes", lambda: int(host_gib * 1024**3))
+    monkeypatch.setattr(manager, "available_host_bytes", lambda: int(host_gib * 1024**3))
     train(tmp_path, *EVERY_4)
     fits = host_gib > 1
     assert [r["async"] for r in checkpoint_records(tmp_path)] == [fits, False]  # 4, final 8
@@ -316,7 +317,7 @@ def test_async_is_off_by_default_without_a_gpu(tmp_path):
 
 
 def test_async_saves_fall_back_to_sync_where_pinning_fails(tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(ckpt_mod, "_pinned_staging", lambda: True)
+    monkeypatch.setattr(manager, "pinned_staging", lambda: True)
     monkeypatch.setattr(host_staging, "_pin", _refuse_pinning)
     train(tmp_path, *EVERY_4, ASYNC)  # asked for explicitly: still nothing pinned, nothing lost
     assert [r["async"] for r in checkpoint_records(tmp_path)] == [False, False]
@@ -326,10 +327,10 @@ def test_async_saves_fall_back_to_sync_where_pinning_fails(tmp_path, monkeypatch
 
 def test_available_host_memory_is_the_cgroups_where_it_is_less(tmp_path, monkeypatch):
     limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
-    monkeypatch.setattr(ckpt_mod, "_CGROUP_MEMORY", ((str(limit), str(usage)),))
+    monkeypatch.setattr(host_memory, "CGROUP_MEMORY", ((str(limit), str(usage)),))
     limit.write_text("max\n")  # no limit: the host's MemAvailable
     usage.write_text(str(5 * 2**30))
-    host = ckpt_mod._available_host_bytes()
+    host = host_memory.available_host_bytes()
     assert host is not None and host > 0
     limit.write_text(str(6 * 2**30))  # a 6 GiB limit with 5 used: 1 GiB left
-    assert ckpt_mod._available_host_bytes() == min(host, 2**30)
+    assert host_memory.available_host_bytes() == min(host, 2**30)

@@ -86,7 +86,7 @@ def test_a_run_already_trained_to_its_end_says_so(trained, capfd):
 @pytest.fixture
 def nan_weights(monkeypatch):
     """The checkpoint's weights as loaded, with a NaN in one tensor."""
-    import dtrain.weights as weights
+    import dtrain.checkpoint.weights as weights
 
     real = weights.load_checkpoint
 
@@ -110,7 +110,7 @@ def test_export_refuses_nan_weights_unless_allowed(trained, tmp_path, nan_weight
 
 
 def test_export_torch_refuses_nan_weights(trained, tmp_path, monkeypatch):
-    import dtrain.weights as weights
+    import dtrain.checkpoint.weights as weights
     from dtrain.cli.export import main
 
     real = weights.consolidate

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dtrain.checkpoint import latest_complete
-from dtrain.weights import load_checkpoint
+from dtrain.checkpoint.weights import load_checkpoint
 from tests.conftest import FAST, launch
 from tests.faults.helpers import descendants, kill_tree, start, wait_for_step
 

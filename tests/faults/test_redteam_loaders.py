@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from dtrain.checkpoint import CheckpointManager, sha256_file
+from dtrain.checkpoint.weights import consolidate, load_checkpoint
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError
-from dtrain.weights import consolidate, load_checkpoint
 from tests.conftest import FAST, train
 from tests.faults.helpers import (
     edit_manifest,
@@ -136,7 +136,7 @@ def _point_metadata_at(ckpt: Path, shard: str) -> None:
 
 
 def _loaders(run: Path, bad: Path, out: Path) -> dict:
-    from dtrain.safe_load import load_all
+    from dtrain.checkpoint.safe_load import load_all
 
     manager = CheckpointManager(run, CheckpointConfig(), rank=0, world_size=1)
     template = load_all(run / "checkpoints" / "step_0000002")
@@ -345,8 +345,8 @@ def test_pruning_and_setting_aside_never_replace_what_they_did_not_make(tmp_path
 
 
 def test_new_files_are_never_written_through_a_link_or_over_a_file(tmp_path):
-    from dtrain.checkpoint import _write_atomic, create_new
-    from dtrain.safe_load import RegularFiles
+    from dtrain.checkpoint.files import create_new, write_atomic
+    from dtrain.checkpoint.safe_load import RegularFiles
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
@@ -357,5 +357,5 @@ def test_new_files_are_never_written_through_a_link_or_over_a_file(tmp_path):
         pass
     (tmp_path / "planted").write_text("theirs")
     with pytest.raises(FileExistsError):
-        _write_atomic(tmp_path / "planted", "ours")
+        write_atomic(tmp_path / "planted", "ours")
     assert victim.read_text() == "precious" and (tmp_path / "planted").read_text() == "theirs"

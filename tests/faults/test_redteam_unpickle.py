@@ -28,14 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.errors import CheckpointError
-from dtrain.safe_load import (
+from dtrain.checkpoint.safe_load import (
     METADATA_GLOBALS,
     RefusedObject,
     load_metadata,
     plain_value,
     safe_unpickle,
 )
+from dtrain.errors import CheckpointError
 from tests.conftest import FAST, launch, train
 from tests.faults.helpers import one_error_line, replace_signed, run_command, snapshot
 

@@ -6,8 +6,8 @@ A checkpoint pickles in three places, each planted here with a pickle whose `__r
 creates a folder (the proof that code ran), the manifest re-signed as an attacker would: DCP's
 `.metadata` (an allow-list unpickler reads it first), `extra_rank*.pt` (weights_only=True), and
 the non-tensor items inside the `.distcp` shards (the optimizer's param_groups, or any tensor
-slot an attacker turns into an object), which dtrain.safe_load reads as plain values only. The
-data position and the run config live in manifest.json, which is JSON.
+slot an attacker turns into an object), which dtrain.checkpoint.safe_load reads as plain values
+only. The data position and the run config live in manifest.json, which is JSON.
 """
 
 import copy
@@ -83,7 +83,7 @@ def _plant_state(ckpt: Path, dst: Path, key: str, value, extra: dict | None = No
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
 
-    from dtrain.safe_load import load_all
+    from dtrain.checkpoint.safe_load import load_all
 
     state = {**load_all(ckpt), **copy.deepcopy(extra or {})}  # our own checkpoint, as saved
     where = FileSystemReader(str(ckpt)).read_metadata().planner_data.get(key)
@@ -198,7 +198,7 @@ def test_dcps_own_loader_would_run_the_planted_pickle(ckpt, tmp_path):
     # The attack below is real: DCP's DefaultLoadPlanner unpickles it with weights_only=False.
     import torch.distributed.checkpoint as dcp
 
-    from dtrain.safe_load import load_all
+    from dtrain.checkpoint.safe_load import load_all
 
     proof = tmp_path / "pwned"
     bad = _plant_state(ckpt, tmp_path / "bad", LR, Exploit(proof))
@@ -212,9 +212,9 @@ def test_every_loader_refuses_a_pickle_in_every_slot(ckpt, tmp_path):
     generate and export format=hf (load_checkpoint), export format=torch (consolidate), and the
     safe planners alone, past the check that every pickled item is plain."""
     from dtrain.checkpoint import CheckpointManager
+    from dtrain.checkpoint.safe_load import load_all, load_into
+    from dtrain.checkpoint.weights import consolidate, load_checkpoint
     from dtrain.config import CheckpointConfig
-    from dtrain.safe_load import load_all, load_into
-    from dtrain.weights import consolidate, load_checkpoint
 
     extra = _fp16_scaler_state()  # the state of an fp16 run, which has the most slots
     template = {**load_all(ckpt), **extra}  # loads write into it: any values of its shape do
@@ -267,7 +267,7 @@ def test_plain_values_are_what_the_safe_loader_accepts(ckpt):
 
     import torch
 
-    from dtrain.safe_load import RefusedObject, load_all, plain_value
+    from dtrain.checkpoint.safe_load import RefusedObject, load_all, plain_value
 
     state = load_all(ckpt)  # the real param_groups: floats, tuples, bools, None, lists of str
     assert state["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)

@@ -6,7 +6,7 @@ its global shape and where every shard lives, so it reshards on load: a checkpoi
 8 FSDP ranks loads into one plain model, in one process, with no process group.
 
 Both loaders check the checkpoint as resume does (checksums against the manifest, the DCP
-index, every pickled item a plain value: dtrain.checkpoint.check_checkpoint) before reading it,
+index, every pickled item a plain value: check_checkpoint) before reading it,
 and the model config the manifest holds as a run's config is checked, and its parameters
 counted against the memory they would take, before anything is allocated.
 """
@@ -21,12 +21,10 @@ from pathlib import Path
 
 import torch
 
-from dtrain.checkpoint import (
-    CheckpointManager,
-    _available_host_bytes,
-    check_checkpoint,
-    latest_complete,
-)
+from dtrain.checkpoint.host_memory import available_host_bytes
+from dtrain.checkpoint.integrity import check_checkpoint
+from dtrain.checkpoint.layout import latest_complete
+from dtrain.checkpoint.manifest import read_manifest
 from dtrain.config import (
     DataConfig,
     ModelConfig,
@@ -82,7 +80,7 @@ def check_fits(path: Path, cfg: ModelConfig, device: torch.device | str) -> None
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
     else:
-        have = _available_host_bytes()
+        have = available_host_bytes()
     if have is not None and need > have:
         raise CheckpointError(
             f"checkpoint {path}: its model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
@@ -99,13 +97,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if latest is None:
             raise CheckpointError(f"run dir {path} holds no complete checkpoint")
         return latest
-    CheckpointManager.read_manifest(path)  # exists and complete, or a one-line error
+    read_manifest(path)  # exists and complete, or a one-line error
     return path
 
 
 def checkpoint_configs(path: Path) -> tuple[ModelConfig, DataConfig, dict]:
     """The model and data configs a checkpoint was trained with, and its manifest."""
-    manifest = CheckpointManager.read_manifest(Path(path))
+    manifest = read_manifest(Path(path))
     config = manifest.get("config")
     if not isinstance(config, dict) or "model" not in config:
         raise CheckpointError(
@@ -121,7 +119,7 @@ def checkpoint_configs(path: Path) -> tuple[ModelConfig, DataConfig, dict]:
 
 def saved_keys(path: Path, manifest: dict) -> set[str]:
     """Names of the tensors in a DCP checkpoint (from its .metadata index, read safely)."""
-    from dtrain.safe_load import load_metadata
+    from dtrain.checkpoint.safe_load import load_metadata
 
     return set(load_metadata(path, manifest["files"]).state_dict_metadata)
 
@@ -140,7 +138,7 @@ def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Build the checkpoint's model on `device` and load its weights (any strategy, any world
     size). Only the model is read; optimizer shards stay on disk."""
-    from dtrain.safe_load import load_into
+    from dtrain.checkpoint.safe_load import load_into
 
     path = Path(path)
     model_cfg, data_cfg, manifest = checkpoint_configs(path)
@@ -171,10 +169,10 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
 def consolidate(path: str | Path, out_file: str | Path) -> Path:
     """Write a (possibly sharded) DCP checkpoint as one torch.save file: {"model": ..., "optim":
     ..., "manifest": ...}, loadable with torch.load(weights_only=True) on one process."""
-    from dtrain.safe_load import load_all
+    from dtrain.checkpoint.safe_load import load_all
 
     path, out_file = Path(path), Path(out_file)
-    manifest = CheckpointManager.read_manifest(path)
+    manifest = read_manifest(path)
     check_checkpoint(path, manifest)
     # Not dcp_to_torch_save: it unpickles the pickled items with weights_only off.
     state = load_all(path, manifest["files"])

@@ -1,4 +1,4 @@
-"""Checkpoints: when to save, atomic save, discovery of the newest complete one, resume.
+"""CheckpointManager: when to save, atomic (and async) save, pruning, load, resume=auto.
 
 Layout of one checkpoint (torch.distributed.checkpoint, one shard file per rank):
 
@@ -29,7 +29,7 @@ step against the folder's name, every file's sha256 against the manifest (a trun
 altered shard is named), the manifest's fields against their types and ranges, DCP's pickled
 `.metadata` is read by an unpickler that admits an exact list of DCP's own metadata classes,
 the pickled non-tensor items inside the shards (the optimizer's param_groups) and
-`extra_rank*.pt` are read as plain values only (dtrain.safe_load), and each rank's RNG state is
+`extra_rank*.pt` are read as plain values only (dtrain.checkpoint.safe_load), and each rank's RNG state is
 checked before it is applied. Loaders open only regular files the manifest lists: a link, FIFO,
 socket, device or directory in their place is refused without being opened or followed. No
 code in a checkpoint runs.
@@ -37,14 +37,10 @@ code in a checkpoint runs.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import stat
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +52,36 @@ import torch
 
 from dtrain import dist as ddist
 from dtrain import faults
+from dtrain.checkpoint.files import (
+    create_new,
+    file_kind,
+    fsync_dir,
+    remove_own_dir,
+    rename_new,
+    sha256_file,
+    synced_hash,
+    write_atomic,
+)
+from dtrain.checkpoint.host_memory import (
+    HOST_SHARE,
+    available_host_bytes,
+    host_bytes,
+    pinned_staging,
+)
+from dtrain.checkpoint.integrity import check_checkpoint
+from dtrain.checkpoint.layout import (
+    MANIFEST,
+    MARKER,
+    latest_complete,
+    list_complete,
+    list_step_dirs,
+    marker_text,
+    newer_checkpoints,
+    step_dir_name,
+)
+from dtrain.checkpoint.manifest import read_manifest
+from dtrain.checkpoint.rank_state import read_rank_state, rng_state, set_rng_state
+from dtrain.checkpoint.writer import describe_save_error, storage_writer
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.host_staging import host_buffers
@@ -64,182 +90,6 @@ from dtrain.host_staging import host_buffers
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
 
 log = logging.getLogger("dtrain")
-
-MARKER = "COMPLETE"
-MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d{7,})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def file_kind(path: Path) -> str | None:
-    """What `path` is, without following a link or opening it: "file" (regular), "missing",
-    or what it is instead ("a symbolic link", "a FIFO", ...)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return "missing"
-    except OSError as e:
-        return f"unreadable ({e.strerror})"
-    if stat.S_ISREG(mode):
-        return "file"
-    kinds = {
-        stat.S_ISLNK: "a symbolic link",
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISSOCK: "a socket",
-        stat.S_ISCHR: "a device",
-        stat.S_ISBLK: "a device",
-        stat.S_ISDIR: "a directory",
-    }
-    return next((k for test, k in kinds.items() if test(mode)), "not a regular file")
-
-
-def open_regular(path: Path) -> int:
-    """A read-only descriptor of `path` if it is a regular file and no link: anything else in
-    a checkpoint (a FIFO that would block, a device, a link leaving the folder) is refused
-    before it is opened. CheckpointError names it."""
-    kind = file_kind(path)
-    if kind == "missing":
-        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing")
-    if kind != "file":
-        raise CheckpointError(
-            f"checkpoint {path.parent}: {path.name} is {kind}, not a regular file; refused to "
-            "open it"
-        )
-    try:  # O_NONBLOCK: a FIFO swapped in after the check still cannot block the open
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointError(
-            f"checkpoint {path.parent}: {path.name} is unreadable ({e})"
-        ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(
-            f"checkpoint {path.parent}: {path.name} is not a regular file; refused to read it"
-        )
-    os.set_blocking(fd, True)
-    return fd
-
-
-def is_complete(path: Path) -> bool:
-    return file_kind(path / MARKER) == "file" and file_kind(path / MANIFEST) == "file"
-
-
-def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ckpt_root, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    out = []
-    for p in ckpt_root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def latest_complete(ckpt_root: Path) -> Path | None:
-    found = list_complete(ckpt_root)
-    return found[-1][1] if found else None
-
-
-def list_step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """Every step_NNNNNNN folder under ckpt_root, complete or not, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    found = ((_STEP_RE.match(p.name), p) for p in ckpt_root.iterdir())
-    return sorted((int(m.group(1)), p) for m, p in found if m and p.is_dir())
-
-
-def newer_checkpoints(ckpt_root: Path, step: int) -> list[Path]:
-    """Checkpoint folders past `step`: what a run starting at `step` would overwrite or prune."""
-    return [p for n, p in list_step_dirs(ckpt_root) if n > step]
-
-
-def check_newer(ckpt_root: Path, start: Path, step: int, allowed: bool) -> list[Path]:
-    """resume=<start> at `step` into a run dir holding later checkpoints: refused unless
-    `allowed` (checkpoint.overwrite_newer); returns those checkpoints."""
-    newer = newer_checkpoints(Path(ckpt_root), step)
-    if newer and not allowed:
-        names = ", ".join(p.name for p in newer)
-        raise CheckpointError(
-            f"resume={start} starts at step {step} but {ckpt_root} holds newer checkpoints "
-            f"({names}) that this run would overwrite or prune; resume from the newest, move "
-            "them out of that folder, or set checkpoint.overwrite_newer=true to delete them"
-        )
-    return newer
-
-
-def marker_text(manifest_sha256: str) -> str:
-    """What COMPLETE holds: sha256sum's line for manifest.json."""
-    return f"{manifest_sha256}  {MANIFEST}\n"
-
-
-_MARKER_RE = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
-LEGACY_MARKER = "ok\n"  # dtrain before the manifest checksum; accepted with a warning
-_legacy_warned: set[Path] = set()  # one warning per checkpoint, not one per read
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(open_regular(Path(path)), "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def create_new(path: Path, mode: str = "wb"):
-    """A new file at `path`, opened for writing: never through a link, never over a file that
-    is there already (FileExistsError names it)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o644), mode)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with create_new(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.lexists(path):  # the folder is this save's own: anything there was planted
-        raise FileExistsError(
-            errno.EEXIST, "refused to replace a file this save did not make", path
-        )
-    os.replace(tmp, path)
-
-
-def _remove_own_dir(path: Path, quiet: bool = False) -> None:
-    """Remove a folder a save left (a .partial, a .deleting, an older save of the step); a link
-    or file in its place was not made by a save: refused (OSError), or left alone (`quiet`)."""
-    kind = file_kind(path)
-    if kind == "missing":
-        return
-    if kind != "a directory":
-        if quiet:
-            return
-        raise OSError(errno.EEXIST, f"{kind} is in the way, refused to replace it", str(path))
-    shutil.rmtree(path, ignore_errors=quiet)  # never follows links inside it
-
-
-def _rename_new(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`, which must not exist: never over a file or link it did not make."""
-    if os.path.lexists(dst):
-        raise OSError(errno.EEXIST, "refused to replace what is there", str(dst))
-    os.replace(src, dst)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Loaded(NamedTuple):
@@ -251,211 +101,12 @@ class Loaded(NamedTuple):
     # modulo the saved number
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-# torch's generator states: the CPU one (mt19937) is a fixed-size uint8 tensor, CUDA's (Philox)
-# its seed and offset, two 8-byte integers.
-_CPU_RNG_BYTES = torch.get_rng_state().numel()
-_CUDA_RNG_BYTES = 16
-
-
-def rng_problem(state: object) -> str | None:
-    """What is wrong with a saved rng_state() (one line), or None: checked before any of it is
-    applied, as torch.set_rng_state would fail or crash on a state of the wrong shape."""
-    if not isinstance(state, dict) or "torch" not in state:
-        return "its RNG state is not a dict holding 'torch'"
-    for key, t in state.items():
-        size = {"torch": _CPU_RNG_BYTES, "cuda": _CUDA_RNG_BYTES}.get(key)
-        if size is None:
-            return f"its RNG state holds an unknown generator {key!r}"
-        if type(t) is not torch.Tensor or t.dtype != torch.uint8 or t.shape != (size,):
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            return f"its {key} RNG state is not {size} uint8 bytes (got {got})"
-    return None
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 class CheckpointSaveError(CheckpointError):
     """A save failed (disk full, unwritable folder, ...); nothing was marked complete."""
 
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint of another run (model, data, ...): resume=auto must not skip past it."""
-
-
-def _free_bytes(path: Path) -> int | None:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-# Below this, a failed write is put down to a full disk: PyTorch's zip writer reports ENOSPC
-# as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...".
-FULL_DISK_BYTES = 16 << 20
-
-
-def _describe_save_error(e: BaseException, folder: Path) -> str | None:
-    """An OS-level cause of a failed save as one line, or None if `e` is a bug (re-raise)."""
-    if isinstance(e, OSError):
-        return str(e)
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
-    if isinstance(failures, dict):
-        for rank, exc in sorted(failures.items()):
-            # DCP wraps each as (exception, stack summary)
-            inner = exc[0] if isinstance(exc, tuple) and exc else getattr(exc, "exc", exc)
-            if isinstance(inner, OSError):
-                return f"{inner} (rank {rank})"
-    free = _free_bytes(folder)
-    if free is not None and free < FULL_DISK_BYTES:
-        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
-        return (
-            f"No space left on device ({free} bytes free under {folder}; the writer said: {first})"
-        )
-    return None
-
-
-def check_checkpoint(
-    path: Path, manifest: dict, *, files: bool = True, rank: int = 0, world_size: int = 1
-) -> None:
-    """What every loader checks before DCP reads a checkpoint: that every file the manifest
-    lists is a regular file, the checksums (`files`; collective under torchrun), the .metadata
-    allow-list and the files it names, that every pickled item in the shards is a plain value,
-    and every rank's own state. A CheckpointError names the first problem."""
-    from dtrain.safe_load import check_objects
-
-    listed = manifest["files"]
-    for name in sorted(listed):
-        kind = file_kind(Path(path) / name)
-        if kind != "file":
-            what = "missing" if kind == "missing" else f"{kind}, not a regular file"
-            raise CheckpointError(f"checkpoint {path}: {name} is {what}")
-    if files:
-        verify(path, manifest, rank, world_size)
-    check_objects(path, listed)
-    for name in sorted(n for n in listed if _EXTRA_RE.match(n)):
-        read_rank_state(Path(path), name)
-
-
-_EXTRA_RE = re.compile(r"^extra_rank\d+\.pt$")
-RANK_STATE_MAX_BYTES = 1 << 30  # RNG states and fp8's amax histories: kilobytes
-
-
-def read_rank_state(path: Path, name: str) -> tuple[dict, dict | None]:
-    """A rank's (RNG state, own state) from its extra_rank{r}.pt, read as plain values and
-    checked; CheckpointError naming the file otherwise."""
-    from dtrain.safe_load import RefusedObject, load_plain_file
-
-    try:
-        saved = load_plain_file(path / name, RANK_STATE_MAX_BYTES)
-    except RefusedObject as e:
-        raise CheckpointError(
-            f"checkpoint {path}: {name} holds more than tensors, refused to unpickle it ({e.what})"
-        ) from None
-    why = "it is not a dict holding 'rng'" if not isinstance(saved, dict) else None
-    why = why or rng_problem(saved.get("rng"))
-    rank_state = saved.get("rank") if not why else None
-    if not why and rank_state is not None and not isinstance(rank_state, dict):
-        why = f"its rank state is a {type(rank_state).__name__}, not a dict"
-    if why:
-        raise CheckpointError(f"checkpoint {path}: {name} is malformed: {why}")
-    return saved["rng"], rank_state or None
-
-
-def verify(path: Path, manifest: dict, rank: int = 0, world_size: int = 1) -> None:
-    """Check every file against the manifest's sha256 (and size); collective under torchrun.
-
-    Rank r hashes every world_size-th file, so a checkpoint is read once in all, not once
-    per rank; every rank then sees the same verdict.
-    """
-    files = manifest.get("files")
-    bad = None
-    if not isinstance(files, dict) or not files:
-        bad = f"{MANIFEST} lists no files to check"
-    else:
-        sizes = manifest.get("sizes", {})
-        for name in sorted(files)[rank::world_size]:
-            f = Path(path) / name
-            kind = file_kind(f)
-            if not _plain_name(name):
-                bad = f"{MANIFEST} names a file outside the checkpoint: {name!r}"
-            elif kind != "file":
-                bad = f"{name} is missing" if kind == "missing" else f"{name} is {kind}"
-            elif name in sizes and os.lstat(f).st_size != sizes[name]:
-                got = os.lstat(f).st_size
-                bad = f"{name} is truncated or padded ({got} bytes, expected {sizes[name]})"
-            else:
-                try:
-                    if sha256_file(f) != files[name]:
-                        bad = f"{name} is corrupt (sha256 differs from {MANIFEST})"
-                except CheckpointError as e:  # swapped for something else since the check
-                    bad = str(e).split(": ", 1)[-1]
-            if bad:
-                break
-    # world_size 1: a single-process check (also rank 0 deciding alone for all ranks).
-    verdicts = ddist.all_gather_object(bad) if world_size > 1 else [bad]
-    first = next((v for v in verdicts if v), None)
-    if first:
-        raise CheckpointError(f"checkpoint {path}: {first}")
-
-
-MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists a few files per rank and the run's config
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _plain_name(name: object) -> bool:
-    """A file name inside the checkpoint folder: no path, no parent, no NUL."""
-    return isinstance(name, str) and name not in ("", ".", "..") and not set(name) & {"/", "\0"}
-
-
-def _count(value: object, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def manifest_problem(manifest: dict) -> str | None:
-    """The first field of a (signed) manifest of the wrong type or out of range, as one line
-    naming it, or None: a re-signed manifest is as untrusted as any other input."""
-    files, sizes = manifest.get("files"), manifest.get("sizes", {})
-    if not isinstance(files, dict) or not files:
-        return f"'files' must map file names to sha256 digests, got {_short(files)}"
-    for name, digest in files.items():
-        if not _plain_name(name):
-            return f"'files' names a file outside the checkpoint: {name!r}"
-        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
-            return f"'files'[{name!r}] must be a sha256 hex digest, got {_short(digest)}"
-    if not isinstance(sizes, dict):
-        return f"'sizes' must map file names to byte counts, got {_short(sizes)}"
-    for name, size in sizes.items():
-        if name not in files or not _count(size, 0):
-            return f"'sizes'[{name!r}] must be the byte count of a listed file, got {_short(size)}"
-    if "world_size" in manifest and not _count(manifest["world_size"], 1):
-        return f"'world_size' must be an integer >= 1, got {_short(manifest['world_size'])}"
-    for key in ("identity", "data", "config"):
-        if key in manifest and not isinstance(manifest[key], dict):
-            return f"'{key}' must be a JSON object, got {_short(manifest[key])}"
-    for part in ("model", "data"):
-        value = manifest.get("config", {}).get(part, {})
-        if not isinstance(value, dict):
-            return f"'config.{part}' must be a JSON object, got {_short(value)}"
-    return None
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -490,88 +141,6 @@ class _InFlight:
     dcp_s: float | None  # Saved.dcp_s
     at_save_s: float = 0.0  # Saved.at_save_s
     buffers_s: float | None = None  # Saved.buffers_s
-
-
-def _storage_writer(partial: Path, step: int, *, keep_host_buffers: bool = False):
-    """DCP's file writer, with an injection point where this rank's shards are about to be
-    written (in DCP's own thread in an async save): `writer.step` names the save.
-
-    keep_host_buffers (async saves, one writer for the run): the writer stages the state into
-    pinned host buffers made at its first save and reused by the next ones
-    (cache_staged_state_dict). Without them every async save allocated pageable host memory
-    and copied into it: at 1b under fsdp on 2x H200 the loop stalled 24.5-26.5 s a save,
-    against 27.1-30.4 s for a synchronous one (docs/benchmarks.md, "Checkpoint stall")."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class Writer(FileSystemWriter):
-        def write_data(self, plan, planner):
-            faults.point("ckpt.save.write", step=self.step)
-            return super().write_data(plan, planner)
-
-    from dtrain.safe_load import RegularFiles
-
-    writer = Writer(str(partial), cache_staged_state_dict=keep_host_buffers)
-    writer.fs = RegularFiles()  # shards are new files in the new folder: never through a link
-    writer.step = step
-    return writer
-
-
-def _pinned_staging() -> bool:
-    """Async saves keep pinned host buffers where there is a GPU to copy from."""
-    return torch.cuda.is_available()
-
-
-# The share of a node's available memory its ranks' pinned staging buffers may take: the rest
-# stays for the data loaders, the page cache DCP writes through, and everything else.
-HOST_SHARE = 0.7
-
-
-# A memory cgroup's limit and usage (v2, then v1), read where the process runs in one (a
-# container, a Slurm job): MemAvailable is the whole host's.
-_CGROUP_MEMORY = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-)
-
-
-def _available_host_bytes() -> int | None:
-    """The memory this node's processes can still take: MemAvailable (Linux), or less where a
-    memory cgroup's limit leaves less; None where neither can be read."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_file, usage_file in _CGROUP_MEMORY:
-        try:
-            with open(limit_file) as f, open(usage_file) as g:
-                limit, usage = int(f.read()), int(g.read())  # "max" (no limit): ValueError
-        except (OSError, ValueError):
-            continue
-        if limit < 2**60:  # v1 writes "no limit" as a number near 2**63
-            room = max(limit - usage, 0)
-            avail = room if avail is None else min(avail, room)
-        break
-    return avail
-
-
-def _host_bytes(state: dict) -> int:
-    """Bytes of this rank's tensors in a state dict (a DTensor: its local shard)."""
-    from torch.utils._pytree import tree_leaves
-
-    leaves = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in leaves)
-
-
-def _synced_hash(path: Path) -> tuple[str, int]:
-    """fsync `path` (about free when its writer synced it) and return (sha256, size): the
-    manifest only ever vouches for bytes that are on the disk."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return sha256_file(path), path.stat().st_size
 
 
 class CheckpointManager:
@@ -617,8 +186,8 @@ class CheckpointManager:
 
             wanted = self.cfg.async_save
             if wanted is None:
-                wanted = _pinned_staging() and hasattr(dcp, "async_save")
-            if wanted and _pinned_staging():
+                wanted = pinned_staging() and hasattr(dcp, "async_save")
+            if wanted and pinned_staging():
                 wanted = self._prepare_host_buffers(state)
             self._async = bool(wanted)
         return self._async
@@ -627,8 +196,8 @@ class CheckpointManager:
         """Make the pinned buffers async saves stage into, where this node's ranks' state fits
         in HOST_SHARE of its available memory; False on every rank if on any it does not, or
         pinning failed there. Collective."""
-        need = _host_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        have = _available_host_bytes()
+        need = host_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        have = available_host_bytes()
         why = None
         if have is not None and need > HOST_SHARE * have:
             why = (
@@ -705,7 +274,7 @@ class CheckpointManager:
             nonlocal dcp_s
             faults.point("ckpt.save.after_mkdir", step=step)
             t0 = time.perf_counter()
-            dcp.save(state, storage_writer=_storage_writer(partial, step))
+            dcp.save(state, storage_writer=storage_writer(partial, step))
             dcp_s = time.perf_counter() - t0
 
         result = err or self._write_rank_files(step, write, rng_state(), rank_state)
@@ -735,28 +304,12 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         started = time.perf_counter() if started is None else started
-        buffers_s = None  # making the host buffers: the first async save only
         self._check_idle()
         partial, err = self._begin(step)
         if err is not None:
             self._commit(step, err, manifest)  # raises, as save() does
-        if self._executor is None:
-            self._group = ddist.new_background_group(self.timeout_s)
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
-            pinned = _pinned_staging()
-            self._writer = _storage_writer(partial, step, keep_host_buffers=pinned)
-            if pinned:  # the writer's cache: one page-locked allocation (use_async made it)
-                if self._host is None:  # called without use_async
-                    self._pin_host_buffers(state)
-                (cache, self._writer.host_buffer), self._host = self._host, None
-                self._writer.state_dict_cache = cache
-                buffers_s, self._buffers_s = self._buffers_s, None
-                log.info(
-                    "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
-                    "%.1f s) hold the state being written, for the rest of the run",
-                    self._writer.host_buffer.numel() / 1024**3,
-                    buffers_s,
-                )
+        # making the host buffers: the first async save only
+        buffers_s = self._start_background(partial, step, state) if self._executor is None else None
         self._writer.step = step
         manifest = json.loads(json.dumps(manifest))  # a copy: the position may move on
         rng = rng_state()
@@ -788,6 +341,29 @@ class CheckpointManager:
         self._in_flight = _InFlight(
             step, started, future, stall, snapshot_s, dcp_s, stall, buffers_s
         )
+
+    def _start_background(self, partial: Path, step: int, state: dict) -> float | None:
+        """The first async save: the background thread, its process group and the one writer
+        of every async save, with its pinned host buffers on a GPU. The time making them took."""
+        self._group = ddist.new_background_group(self.timeout_s)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-checkpoint")
+        pinned = pinned_staging()
+        self._writer = storage_writer(partial, step, keep_host_buffers=pinned)
+        if not pinned:
+            return None
+        # the writer's cache: one page-locked allocation (use_async made it)
+        if self._host is None:  # called without use_async
+            self._pin_host_buffers(state)
+        (cache, self._writer.host_buffer), self._host = self._host, None
+        self._writer.state_dict_cache = cache
+        buffers_s, self._buffers_s = self._buffers_s, None
+        log.info(
+            "async checkpoints: %.2f GiB of pinned host memory per rank (made in "
+            "%.1f s) hold the state being written, for the rest of the run",
+            self._writer.host_buffer.numel() / 1024**3,
+            buffers_s,
+        )
+        return buffers_s
 
     def poll(self, sync_point: bool) -> Saved | None:
         """The async save, if it is complete on every rank (else None, without waiting).
@@ -858,7 +434,7 @@ class CheckpointManager:
             try:
                 faults.point("ckpt.save.begin", step=step)
                 self.root.mkdir(parents=True, exist_ok=True)
-                _remove_own_dir(partial)  # left by a crash: never part of a complete one
+                remove_own_dir(partial)  # left by a crash: never part of a complete one
                 partial.mkdir()  # fails on anything there: the folder is this save's alone
             except OSError as e:
                 err = f"{e}"
@@ -880,9 +456,9 @@ class CheckpointManager:
                 torch.save({"rng": rng, "rank": rank_state or {}}, f)
             faults.point("ckpt.save.after_extra", step=step)
             mine = [extra_path] + sorted(partial.glob(f"__{self.rank}_*.distcp"))
-            return {p.name: _synced_hash(p) for p in mine}
+            return {p.name: synced_hash(p) for p in mine}
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            why = _describe_save_error(e, partial)
+            why = describe_save_error(e, partial)
             if why is None:
                 raise
             return f"{why} (rank {self.rank})" if "(rank " not in why else why
@@ -901,8 +477,8 @@ class CheckpointManager:
                 for g in gathered:
                     files.update(g)
                 if (partial / ".metadata").exists():
-                    files[".metadata"] = _synced_hash(partial / ".metadata")
-                _fsync_dir(partial)  # the files' names too, before the manifest lists them
+                    files[".metadata"] = synced_hash(partial / ".metadata")
+                fsync_dir(partial)  # the files' names too, before the manifest lists them
                 manifest = {
                     **manifest,
                     "step": step,
@@ -910,14 +486,14 @@ class CheckpointManager:
                     "files": {k: v[0] for k, v in files.items()},
                     "sizes": {k: v[1] for k, v in files.items()},
                 }
-                _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+                write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
                 faults.point("ckpt.save.after_manifest", step=step)
                 # The marker signs the manifest: an edited step or data position is refused.
-                _write_atomic(partial / MARKER, marker_text(sha256_file(partial / MANIFEST)))
+                write_atomic(partial / MARKER, marker_text(sha256_file(partial / MANIFEST)))
                 faults.point("ckpt.save.after_marker", step=step)
-                _remove_own_dir(final)  # an older save of the same step (e.g. rerun)
+                remove_own_dir(final)  # an older save of the same step (e.g. rerun)
                 os.replace(partial, final)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             except OSError as e:
                 err = str(e)
             if err is None:
@@ -944,96 +520,23 @@ class CheckpointManager:
         # A .partial folder here is left by a save that died (saves never overlap, async ones
         # included: this runs in a save's commit, and the next save waits for it): drop it.
         for stale in self.root.glob("step_*.partial"):
-            _remove_own_dir(stale, quiet=True)
+            remove_own_dir(stale, quiet=True)
         for leftover in self.root.glob("step_*.deleting"):
-            _remove_own_dir(leftover, quiet=True)
+            remove_own_dir(leftover, quiet=True)
         if self.cfg.keep_last <= 0:
             return
         complete = list_complete(self.root)
         for _, path in complete[: -self.cfg.keep_last]:
             doomed = path.with_name(path.name + ".deleting")
             try:
-                _rename_new(path, doomed)
+                rename_new(path, doomed)
                 faults.point("ckpt.prune")
                 shutil.rmtree(doomed)
             except OSError as e:  # a full disk must not turn a good save into a failure
                 log.warning("could not remove old checkpoint %s: %s", path, e)
 
     # --- load --------------------------------------------------------------------------
-    @staticmethod
-    def read_manifest(path: Path) -> dict:
-        path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} is a file; a checkpoint is a checkpoints/step_NNNNNNN folder"
-            )
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        if (path / "latest").is_file() or any(path.glob("global_step*")):
-            # engine.save_checkpoint's layout: its ZeRO partitions are laid out for one world
-            # size and DeepSpeed version; dtrain's zero1/2/3 write the common format instead.
-            raise CheckpointError(
-                f"checkpoint {path} is a native DeepSpeed checkpoint, not a dtrain one; "
-                f"consolidate its weights with DeepSpeed's `python {path}/zero_to_fp32.py {path} "
-                "OUT_DIR` and start a new run from them (dtrain's zero1/2/3 save its own format)"
-            )
-        if file_kind(path / MARKER) == "missing":
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete (no {MARKER} marker): it was interrupted "
-                f"while being written; resume from an earlier one or use resume=auto"
-            )
-        if file_kind(path / MANIFEST) == "missing":
-            raise CheckpointError(
-                f"checkpoint {path}: {MANIFEST} is missing (its {MARKER} marker is there, so it "
-                "was removed after the save)"
-            )
-        from dtrain.safe_load import read_regular
-
-        try:
-            marker = read_regular(path / MARKER, 4096).decode()
-            raw = read_regular(path / MANIFEST, MANIFEST_MAX_BYTES)
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"checkpoint {path}: unreadable {MARKER} or {MANIFEST} ({e})"
-            ) from None
-        signed = _MARKER_RE.match(marker)
-        if signed and hashlib.sha256(raw).hexdigest() != signed.group(1):
-            raise CheckpointError(
-                f"checkpoint {path}: {MANIFEST} was edited or is corrupt (its sha256 differs "
-                f"from the one in {MARKER})"
-            )
-        if not signed and marker != LEGACY_MARKER:
-            raise CheckpointError(
-                f"checkpoint {path}: {MARKER} holds no sha256 of {MANIFEST}, so the manifest "
-                "cannot be checked"
-            )
-        if not signed and path.resolve() not in _legacy_warned:
-            _legacy_warned.add(path.resolve())
-            log.warning(
-                "checkpoint %s was saved by an older dtrain: %s has no checksum of %s, which is "
-                "trusted unchecked (`sha256sum %s > %s` in that folder records it)",
-                path,
-                MARKER,
-                MANIFEST,
-                MANIFEST,
-                MARKER,
-            )
-        try:
-            manifest = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e})") from None
-        step = manifest.get("step") if isinstance(manifest, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} has no valid step ({step!r})")
-        why = manifest_problem(manifest)
-        if why:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: {why}")
-        named = _STEP_RE.match(path.name)
-        if named and int(named.group(1)) != step:
-            raise CheckpointError(
-                f"checkpoint {path}: {MANIFEST} says step {step} but the folder is {path.name}"
-            )
-        return manifest
+    read_manifest = staticmethod(read_manifest)
 
     def _check(self, path: Path, manifest: dict) -> None:
         rank, world = self.rank, self.world_size
@@ -1045,7 +548,7 @@ class CheckpointManager:
         rank's, or where the checkpoint was saved by another number of ranks, that of this
         rank modulo theirs (its RNG state is then not restored: it would repeat that rank's
         draws). None where the checkpoint has none (a dtrain that kept only RNG states)."""
-        from dtrain.safe_load import load_into
+        from dtrain.checkpoint.safe_load import load_into
 
         path = Path(path)
         manifest = self.read_manifest(path)
@@ -1121,7 +624,7 @@ class CheckpointManager:
                 n += 1
                 target = path.with_name(f"{path.name}.rejected{n}")
             try:
-                _rename_new(path, target)
+                rename_new(path, target)
             except OSError as e:
                 raise CheckpointError(
                     f"checkpoint {path} was skipped but could not be set aside ({e}); this run "
@@ -1140,7 +643,7 @@ class CheckpointManager:
         for path in newer_checkpoints(self.root, step):
             doomed = path.with_name(path.name + ".deleting")  # never half-deleted yet complete
             try:
-                _rename_new(path, doomed)
+                rename_new(path, doomed)
                 shutil.rmtree(doomed)
             except OSError as e:
                 raise CheckpointError(

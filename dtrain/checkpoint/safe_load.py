@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dtrain.checkpoint import open_regular
+from dtrain.checkpoint.files import open_regular, read_regular
+from dtrain.checkpoint.manifest import read_manifest
 from dtrain.errors import CheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -94,15 +95,6 @@ def safe_unpickle(data: bytes, allowed: frozenset = METADATA_GLOBALS) -> Any:
         if op.name in _REFUSED_OPCODES:
             raise pickle.UnpicklingError(f"refused opcode {op.name}")
     return SafeUnpickler(io.BytesIO(data), allowed).load()
-
-
-def read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of `path`, a regular file (not a link) of at most `limit` bytes."""
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        if os.fstat(fd).st_size > limit:
-            raise CheckpointError(f"{path} is larger than {limit} bytes; refused to read it")
-        return f.read(limit + 1)
 
 
 def load_metadata(path: str | Path, listed: Collection[str]) -> Metadata:
@@ -266,11 +258,7 @@ def _as_checkpoint_error(e: BaseException, path: Path) -> CheckpointError:
 
 def _listed(path: str | Path, listed: Collection[str] | None) -> Collection[str]:
     """The files a loader may open: `listed`, or by default those the signed manifest lists."""
-    if listed is not None:
-        return listed
-    from dtrain.checkpoint import CheckpointManager
-
-    return CheckpointManager.read_manifest(Path(path))["files"]
+    return listed if listed is not None else read_manifest(Path(path))["files"]
 
 
 def load_into(path: str | Path, state: dict, listed: Collection[str] | None = None) -> None:
