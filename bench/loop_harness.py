@@ -45,9 +45,6 @@ def apply_smoke(args: argparse.Namespace) -> None:
 def model_config(args: argparse.Namespace):
     mcfg = compose([f"model={args.model}"]).model
     mcfg.vocab_size = args.vocab
-    # The loss a hand-written loop computes: the full logits, then cross-entropy (compiled with
-    # the model), not dtrain's fused head.
-    mcfg.loss_kernel = "plain"
     return mcfg
 
 

@@ -18,7 +18,7 @@
 #       500 steps of real text on 1 GPU; the mean loss of the last 50 steps per precision (two
 #       lanes with two SEEDs give two bf16 runs: the noise). VOCAB=50304 widens the head to
 #       GPT-2's vocabulary (the byte tokenizer's is 320), as at 1b: what an fp8 head is tried at
-# PRECS lists the precisions (default: bf16 fp8; also bf16fused, int8, int8gw8, int8gwg, int8gwgg, int8apart,
+# PRECS lists the precisions (default: bf16 fp8; also int8, int8gw8, int8gwg, int8gwgg, int8apart,
 # fp8wide, fp8cf, fp8head, fp8fast, fp8acc, fp8gi, fp8fwd, fp8headgi, fp8d, fp8dyn, fp8dhead, fp8dheadgi, int8o8, fp8o8, fp8o8gi, fp16, int8mk, bf16mk, int8tma, int8ptr, int8gluon, int8fastest, int8gapart, int8qfused, int8qsweeps, int8gic, int8swiglu, int8all); EXTRA adds more to fsdp8b, fsdp1b, single1b and slice8b.
 # TAG=x adds _x to each run's name: two lanes that run the same precision need distinct run
 # dirs (the run-dir lock refuses a second run in one).
@@ -81,7 +81,6 @@ prec() { case $1 in int8gw8) echo "$I8 precision.int8_grad_weight=int8" ;;
   fp8fwd) echo "precision=fp8 precision.fp8_fast_accum=forward" ;;
   fp8headgi) echo "precision=fp8 precision.fp8_lm_head=true precision.fp8_fast_accum=grad_input" ;;
   bf16mk) echo "precision=bf16" ;;
-  bf16fused) echo "precision=bf16 model.loss_kernel=fused" ;;  # the chunked LM loss
   int8o8) echo "$I8 precision.optimizer_8bit=true" ;;
   fp8o8) echo "precision=fp8 precision.optimizer_8bit=true" ;;
   fp8o8gi) echo "precision=fp8 precision.optimizer_8bit=true precision.fp8_fast_accum=grad_input" ;;

@@ -483,7 +483,6 @@ RANGES: dict[str, str] = {
     "model.rope_theta": "> 0",
     "model.norm_eps": "> 0",
     "model.init_std": "> 0",
-    "model.loss_chunk_tokens": "> 0",
     "data.eval_fraction": "(0, 1)",
     "data.max_bytes": "> 0",
     "strategy.bucket_cap_mb": "> 0",
@@ -621,11 +620,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_head={m.n_head} must be divisible by n_kv_head={m.n_kv_head}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if m.loss_kernel == "fused" and (cfg.precision.name == "fp16" or cfg.precision.fp8_lm_head):
-        # fp16's gradients underflow unless the loss scale is applied before the cast, and
-        # the fp8 head is a Float8Linear with its own matmuls: both take the plain loss.
-        what = "precision=fp16" if cfg.precision.name == "fp16" else "precision.fp8_lm_head=true"
-        raise ConfigError(f"model.loss_kernel=fused does not support {what}; use plain or auto")
     if cfg.optim.lr > MAX_LR:
         raise ConfigError(
             f"optim.lr={cfg.optim.lr:g} is past any rate AdamW trains at (the first update "

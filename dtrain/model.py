@@ -19,13 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.fused_loss import (
-    LossKernel,
-    chunk_loss_and_grads,
-    fused_linear_cross_entropy,
-    fused_loss_active,
-)
-
 
 @dataclass
 class ModelConfig:
@@ -43,10 +36,6 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     init_from: str | None = None  # e.g. "hf:DIR" (see dtrain.cli.export)
-    # The head and its loss: "fused" never makes the full logits (dtrain/fused_loss.py),
-    # "plain" does, "auto" fuses on CUDA in bf16 (fused_loss_active).
-    loss_kernel: LossKernel = "plain"
-    loss_chunk_tokens: int | None = None  # tokens per chunk of the fused loss; None: from vocab
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -179,29 +168,6 @@ class Block(nn.Module):
         return x, cache if use_cache else None, weights
 
 
-class LMHead(nn.Linear):
-    """The output layer. Given targets it returns the mean cross-entropy through the fused
-    kernel (dtrain/fused_loss.py) instead of the logits: called as a module, so the wrappers
-    that gather a module's weight in its pre-forward hook (FSDP, DeepSpeed ZeRO-3) have done so."""
-
-    def __init__(self, d_model: int, vocab_size: int, chunk_tokens: int | None = None):
-        super().__init__(d_model, vocab_size, bias=False)
-        self.chunk_tokens = chunk_tokens
-
-    def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, *, chunk_fn=None
-    ) -> torch.Tensor:
-        if targets is None:
-            return super().forward(x)
-        return fused_linear_cross_entropy(
-            x,
-            self.weight,
-            targets,
-            chunk_tokens=self.chunk_tokens,
-            chunk_fn=chunk_fn or chunk_loss_and_grads,
-        )
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, in fp32 whatever the compute dtype: a bf16 log-softmax
     over 50k classes is too coarse for a loss compared across strategies to 1e-5. Eager, this
@@ -221,16 +187,13 @@ class GPT(nn.Module):
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk_tokens)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
         # RoPE angles are a buffer, not a parameter: recomputed by init_weights, never saved.
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
         # Swappable: strategies that compile block by block compile the loss on its own
         # (dtrain.strategies.base.compile_blocks), so the fp32 logits never materialise.
         self.loss_fn = lm_loss
-        # The fused loss's per-chunk work; compile_blocks swaps in a compiled one where the
-        # model's forward itself runs eagerly.
-        self.loss_chunk_fn = chunk_loss_and_grads
 
     def tie_weights(self) -> None:
         """Share the embedding with the output layer (again after `to_empty`, which unties)."""
@@ -295,23 +258,12 @@ class GPT(nn.Module):
             if need_weights:
                 all_weights.append(weights)
         x = self.norm(x)
-        if targets is not None and self.fused_loss(x):
-            return self.output(x, targets, chunk_fn=self.loss_chunk_fn)
         logits = self.output(x)  # (B, T, vocab)
         if targets is not None:
             return self.loss_fn(logits, targets)
         if need_weights:
             return logits, all_weights
         return logits
-
-    def fused_loss(self, x: torch.Tensor) -> bool:
-        """Whether the loss of hidden states x takes the fused kernel (model.loss_kernel)."""
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        compute = torch.get_autocast_dtype(device) if autocast else x.dtype
-        # A swapped head (fp8's Float8Linear) has its own forward: the plain path runs it.
-        plain_head = isinstance(self.output, LMHead)
-        return fused_loss_active(self.cfg.loss_kernel, device, compute, plain_head)
 
     # --- accounting --------------------------------------------------------------------
     def num_params(self) -> int:

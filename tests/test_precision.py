@@ -17,7 +17,7 @@ from dtrain.config import OptimConfig, PrecisionConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.lowp import int8 as i8
-from dtrain.model import LMHead, ModelConfig, build_model
+from dtrain.model import ModelConfig, build_model
 from dtrain.precision import (
     INT8_GRAD_WEIGHT_DEFAULT,
     PRECISIONS,
@@ -77,7 +77,7 @@ def test_int8_swaps_only_the_blocks_linears_and_keeps_parameters():
     swapped = [n for n, m in model.named_modules() if isinstance(m, i8.Int8Linear)]
     assert len(swapped) == TINY.n_layer * 7  # wq wk wv wo w1 w2 w3
     assert all(n.startswith("layers.") for n in swapped)
-    assert type(model.output) is LMHead  # LM head stays bf16
+    assert type(model.output) is nn.Linear  # LM head stays bf16
     assert type(model.tok_embeddings) is nn.Embedding
     # Same parameters under the same names, fp32 masters: checkpoints and optimizers unchanged.
     assert {n: p.shape for n, p in model.named_parameters()} == names
@@ -352,7 +352,7 @@ def test_quantized_precisions_train(tmp_path, precision, extra, module_type):
     apply_precision(model, build_precision(cfg, CPU))
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.startswith("layers.")}
     assert module_type in kinds and "Linear" not in kinds
-    assert type(model.output) is LMHead
+    assert type(model.output) is nn.Linear
 
 
 @pytest.mark.parametrize(

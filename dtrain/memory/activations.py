@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dtrain.fused_loss import default_chunk_tokens, fused_loss_active
 from dtrain.memory.setup import MemorySetup
 from dtrain.model import ModelConfig
 
@@ -88,20 +87,6 @@ def autocast_weight_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     return pr.compute_dtype.itemsize * (cfg.n_layer * per_layer + cfg.vocab_size * d)
 
 
-def fused_loss(cfg: ModelConfig, setup: MemorySetup) -> bool:
-    """Whether the run's loss takes the fused kernel (model.loss_kernel; dtrain/fused_loss.py)."""
-    pr = setup.precision
-    plain_head = not getattr(pr, "fp8_lm_head", False)
-    return fused_loss_active(cfg.loss_kernel, setup.device, pr.compute_dtype, plain_head)
-
-
-def _head_dtype_bytes(setup: MemorySetup) -> int:
-    """Bytes per element of the head's input and weight as the module holds them: the stored
-    dtype under autocast, the compute dtype where the wrapper casts the weights itself."""
-    pr = setup.precision
-    return pr.param_dtype.itemsize if setup.facts.autocast else pr.compute_dtype.itemsize
-
-
 def head_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     """Embedding + final norm + output layer + loss, saved for backward: the token ids and
     targets (int64), the norm's fp32 input and rstd (and x·rstd off CUDA), the output layer's
@@ -113,10 +98,6 @@ def head_activation_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     norm = 4 * bsd + 4 * bs + (0 if setup.device == "cuda" or setup.compile else 4 * bsd)
     if not setup.facts.autocast and c < 4 and not setup.compile:
         norm += 4 * cfg.d_model  # the fp32 copy of a c-byte gain (see layer_activation_bytes)
-    if fused_loss(cfg, setup):
-        # The fused loss keeps no input and no logits, only its gradients w.r.t. the hidden
-        # states and the head weight, both in the compute dtype.
-        return ids + norm + c * bsd + c * cfg.vocab_size * cfg.d_model
     out_in = c * bsd
     # Eager: nll_loss also keeps its 0-d fp32 total weight.
     loss = (c * bs * cfg.vocab_size + 4 * bs) if setup.compile else 4 * bs * cfg.vocab_size + 4
@@ -133,28 +114,7 @@ def loss_transient_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
     Inductor's generated code; docs/memory.md)."""
     c = setup.precision.compute_dtype.itemsize
     mixed = setup.precision.mixed
-    if fused_loss(cfg, setup):
-        return fused_loss_transient_bytes(cfg, setup)
     logits = setup.micro_batch_size * setup.seq_len * cfg.vocab_size
     if setup.compile:
         return c * logits
     return max(8, c + (4 if mixed else 0)) * logits
-
-
-def fused_loss_transient_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
-    """The fused loss's peak beyond what it saves, counted from dtrain/fused_loss.py: in the
-    forward, one chunk of logits (eager: the fp32 logits and logsumexp's fp32 temporary;
-    compiled: the c-bytes logits and the c-bytes gradient Inductor writes) beside the fp32
-    head-weight gradient being accumulated and one chunk's (c bytes; later its c-bytes copy), and
-    under autocast the input's and weight's casts to the compute dtype; in the backward, the
-    saved gradients scaled by the loss's gradient (in the input's and the weight's dtype)."""
-    c = setup.precision.compute_dtype.itemsize
-    bs = setup.micro_batch_size * setup.seq_len
-    vd = cfg.vocab_size * cfg.d_model
-    chunk = min(bs, cfg.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size))
-    per_logit = 2 * c if setup.compile else 8
-    forward = per_logit * chunk * cfg.vocab_size + (4 + c) * vd
-    if _head_dtype_bytes(setup) != c:  # the input and weight cast to the compute dtype
-        forward += c * (bs * cfg.d_model + vd)
-    backward = _head_dtype_bytes(setup) * (bs * cfg.d_model + vd)
-    return max(forward, backward)

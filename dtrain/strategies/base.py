@@ -150,18 +150,14 @@ def compile_blocks(model: nn.Module, blocks: bool = True) -> None:
     Block by block is what wrappers that hook parameters between blocks need (FSDP, DDP,
     DeepSpeed); the loss compiled apart keeps the head's fp32 logits from materialising
     (dtrain.model.lm_loss; docs/strategies.md). `blocks=False` compiles only the loss, for
-    hooks that break compiled blocks (DeepSpeed ZeRO-3's parameter fetches). The fused loss's
-    chunk (dtrain/fused_loss.py) is compiled too, so its elementwise passes run as one kernel;
-    dynamic=False: two shapes at most (a full chunk and the remainder).
+    hooks that break compiled blocks (DeepSpeed ZeRO-3's parameter fetches).
     """
-    from dtrain.fused_loss import chunk_loss_and_grads
     from dtrain.model import lm_loss
 
     if blocks:
         for block in model.layers.values():
             block.compile()
     model.loss_fn = torch.compile(lm_loss)
-    model.loss_chunk_fn = torch.compile(chunk_loss_and_grads, dynamic=False)
 
 
 # StrategyConfig keys that only some strategies honour; each strategy lists its own in `options`.
