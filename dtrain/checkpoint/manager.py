@@ -30,9 +30,9 @@ altered shard is named), the manifest's fields against their types and ranges, D
 `.metadata` is read by an unpickler that admits an exact list of DCP's own metadata classes,
 the pickled non-tensor items inside the shards (the optimizer's param_groups) and
 `extra_rank*.pt` are read as plain values only (dtrain.checkpoint.safe_load), and each rank's
-RNG state is checked before it is applied. Loaders open only regular files the manifest lists: a link, FIFO,
-socket, device or directory in their place is refused without being opened or followed. No
-code in a checkpoint runs.
+RNG state is checked before it is applied. Loaders open only regular files the manifest
+lists: a link, FIFO, socket, device or directory in their place is refused without being opened
+or followed. No code in a checkpoint runs.
 """
 
 from __future__ import annotations
