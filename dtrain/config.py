@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from dtrain.errors import ConfigError
 from dtrain.model import ModelConfig
-from dtrain.preemption import STOP_SIGNALS
+from dtrain.reliability.preemption import STOP_SIGNALS
 
 # The choices of the config's string keys: validate() checks every Literal-typed field
 # against its own (check_choices), so a choice is written once, in its type.
@@ -290,7 +290,8 @@ class MetricsConfig:
 
 @dataclass
 class InspectConfig:
-    """What each eval shows of the model's inside (dtrain/inspector.py); rank 0 writes it."""
+    """What each eval shows of the model's inside (dtrain/reporting/inspector.py); rank 0 writes
+    it."""
 
     samples: bool = True  # sample text from `prompts`, logged as TensorBoard text
     prompts: list[str] = field(default_factory=lambda: ["def ", "import ", "class "])
@@ -321,7 +322,7 @@ class ProfileConfig:
     with_stack: bool = False
     row_limit: int = 20  # rows of the top-operators table printed at the end
     # CUDA: record the caching allocator over the first N steps, then write its snapshot and
-    # where reserved memory sits, per stream (dtrain.allocator_snapshot). 0: off.
+    # where reserved memory sits, per stream (dtrain.reporting.allocator_snapshot). 0: off.
     memory_snapshot_steps: int = 0
 
 

@@ -1,5 +1,5 @@
 """The one table of GPUs: memory, dense peak FLOP/s per dtype, memory bandwidth and links, for
-MFU (dtrain.metrics) and the planner (dtrain.memory: memory and speed).
+MFU (dtrain.reporting.metrics) and the planner (dtrain.memory: memory and speed).
 
 Figures are the vendors' datasheets (dense, without sparsity). Links: `nvlink_bytes_per_s` is the
 bus bandwidth one GPU can drive per direction inside a node (NVLink through NVSwitch; PCIe where

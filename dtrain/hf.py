@@ -23,7 +23,7 @@ import torch
 
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.model import ModelConfig
-from dtrain.safe_write import make_dirs, refuse_link, staged, write_bytes, write_text
+from dtrain.reliability.safe_write import make_dirs, refuse_link, staged, write_bytes, write_text
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -251,7 +251,8 @@ def save_hf(
 ) -> Path:
     """Write out_dir/{model.safetensors, config.json} (+ the tokenizer if it is a Hugging Face
     one, i.e. has save_pretrained), each staged privately, then moved into place
-    (dtrain/safe_write.py): a link planted at any of their names is refused, never followed.
+    (dtrain/reliability/safe_write.py): a link planted at any of their names is refused, never
+    followed.
 
     Unless `overwrite`, FileExistsError before anything is written if one of them (or a
     sharded export's index) is already there."""

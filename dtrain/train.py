@@ -18,9 +18,10 @@ from dtrain.config import TrainConfig
 from dtrain.data import eval_batches
 from dtrain.determinism import deterministic
 from dtrain.errors import FaultError
-from dtrain.faults import point
 from dtrain.optim import lr_at
-from dtrain.preemption import OrphanWatch, StopSignal
+from dtrain.reliability.faults import point
+from dtrain.reliability.preemption import OrphanWatch, StopSignal
+from dtrain.reliability.rundir import hold_run_dir, mark_started
 from dtrain.run.build import Resolved, Run, build_run
 from dtrain.run.compile_cache import CompileCacheNote
 from dtrain.run.gc_schedule import GcSchedule
@@ -28,7 +29,6 @@ from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
 from dtrain.run.saving import Saver
 from dtrain.run.slow_step import SlowStepNotice, SlowSteps
-from dtrain.rundir import hold_run_dir, mark_started
 
 log = logging.getLogger("dtrain")
 
@@ -58,7 +58,7 @@ def run(cfg: TrainConfig) -> dict:
             )
             stop.attach(env.device, env.distributed)
             if env.distributed:
-                from dtrain.watchdog import Heartbeat
+                from dtrain.reliability.watchdog import Heartbeat
 
                 heartbeat = Heartbeat(env.rank, env.world_size, cfg.trainer.collective_timeout_s)
             resolved = Resolved(cfg)  # the config as the build resolves it, for OOM advice
@@ -76,7 +76,7 @@ def run(cfg: TrainConfig) -> dict:
                     heartbeat = None
                 raise out_of_memory(resolved.cfg, env, e) from None
             except RuntimeError as e:
-                from dtrain.watchdog import is_timeout
+                from dtrain.reliability.watchdog import is_timeout
 
                 if heartbeat is None or not is_timeout(e):
                     raise

@@ -3,8 +3,8 @@
 Hydra composes conf/train.yaml with the overrides; dtrain.config turns it into dataclasses and
 dtrain.train.run trains. Bad input gets one line on stderr and exit code 2: the overrides are
 checked (composed and validated) before Hydra creates or touches the run dir, and the run dir
-is locked for this run (dtrain/rundir.py) before Hydra writes into it; a run refused before its
-first step leaves the run dir as it found it.
+is locked for this run (dtrain/reliability/rundir.py) before Hydra writes into it; a run refused
+before its first step leaves the run dir as it found it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from dtrain.config import CONF_DIR, register_config_bases  # noqa: E402
 from dtrain.errors import FaultError, UserError, fail  # noqa: E402
+from dtrain.reliability.rundir import acquire as acquire_run_dir  # noqa: E402
+from dtrain.reliability.rundir import undo_refused  # noqa: E402
 from dtrain.run.preflight import check_overrides  # noqa: E402
-from dtrain.rundir import acquire as acquire_run_dir  # noqa: E402
-from dtrain.rundir import undo_refused  # noqa: E402
 
 register_config_bases()  # the schema defaults that conf/ files extend
 

@@ -20,9 +20,9 @@ from dtrain.config import InspectConfig, PrecisionConfig  # noqa: E402
 from dtrain.data.tokenizer import ByteTokenizer  # noqa: E402
 from dtrain.dist import DistEnv  # noqa: E402
 from dtrain.hf import load_hf_into  # noqa: E402
-from dtrain.inspector import Inspector, is_sharded  # noqa: E402
 from dtrain.model import ModelConfig, build_model  # noqa: E402
 from dtrain.precision import build_precision  # noqa: E402
+from dtrain.reporting.inspector import Inspector, is_sharded  # noqa: E402
 
 # Shared with the test: the same model and the same inspect settings on both sides.
 MODEL = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=320)

@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from dtrain import allocator_snapshot as snap
 from dtrain.errors import ConfigError
+from dtrain.reporting import allocator_snapshot as snap
 from tests.conftest import train
 
 MiB = 1024**2

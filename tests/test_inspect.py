@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.inspector import VIRIDIS, colormap, head_grid
+from dtrain.reporting.inspector import VIRIDIS, colormap, head_grid
 from tests.conftest import train
 
 

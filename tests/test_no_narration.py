@@ -50,7 +50,7 @@ ALLOWED = {
     ("dtrain/reporting/tensorboard.py", "(experiment, session start) summaries"),
     ("dtrain/reporting/tensorboard.py", "The session's end status"),
     ("dtrain/reporting/tensorboard.py", "reads a session's metrics"),
-    ("dtrain/metrics.py", "the HParams session"),
+    ("dtrain/reporting/metrics.py", "the HParams session"),
     ("docs/metrics.md", "the HParams session"),
     ("docs/metrics.md", "writes its session (hyperparameters)"),
     ("docs/metrics.md", "the session's status"),

@@ -117,7 +117,7 @@ def test_cuda_layout_has_the_gpu_charts():
 def test_memory_scalars_worst_rank_and_prediction_in_gib():
     from types import SimpleNamespace
 
-    from dtrain.metrics import memory_scalars
+    from dtrain.reporting.metrics import memory_scalars
 
     ranks = [
         {"params_bytes": GiB, "grads_bytes": GiB, "optim_bytes": 2 * GiB, "master_bytes": 0,

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dtrain import dist as ddist
-from dtrain import faults, topology
+from dtrain import topology
 from dtrain.dist import DistEnv
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.reliability import faults
 
 
 def _env(rank: int = 0, world: int = 2, local_rank: int = 0, host: str = "a") -> DistEnv:
@@ -133,7 +134,7 @@ def test_fault_fires_only_on_its_rank_step_and_attempt(monkeypatch):
 def test_memory_per_rank_names_host_and_local_rank(monkeypatch):
     import socket
 
-    from dtrain.metrics import gather_memory, memory_scalars
+    from dtrain.reporting.metrics import gather_memory, memory_scalars
     from dtrain.strategies import StateBytes
 
     monkeypatch.setenv("LOCAL_RANK", "3")

@@ -51,7 +51,6 @@ from typing import NamedTuple
 import torch
 
 from dtrain import dist as ddist
-from dtrain import faults
 from dtrain.checkpoint.files import (
     create_new,
     file_kind,
@@ -85,6 +84,7 @@ from dtrain.checkpoint.writer import describe_save_error, storage_writer
 from dtrain.config import CheckpointConfig
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.host_staging import host_buffers
+from dtrain.reliability import faults
 
 # DCP warns on every save/load without a process group; a single process is intended there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dtrain import faults
+from dtrain.reliability import faults
 
 
 def _free_bytes(path: Path) -> int | None:

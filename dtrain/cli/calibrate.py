@@ -201,7 +201,7 @@ def calibrate(args: CalibrateArgs) -> tuple[dict, Path | None]:
     path = None
     if rank == 0:
         path = Path(args.out).expanduser() if args.out else default_profile_path(name)
-        from dtrain.safe_write import write_text
+        from dtrain.reliability.safe_write import write_text
 
         # A measured profile replaces the last one (its purpose); a link there is refused.
         write_text(path, json.dumps(profile, indent=1), overwrite=True)

@@ -202,7 +202,7 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
 def write_chart(runs: list[RunSummary], path: Path, overwrite: bool = False) -> None:
     """Per run: the predicted breakdown stacked, and the measured bar beside it."""
     from dtrain.errors import ConfigError
-    from dtrain.safe_write import staged
+    from dtrain.reliability.safe_write import staged
 
     try:
         import matplotlib  # noqa: F401
@@ -223,7 +223,7 @@ def write_chart(runs: list[RunSummary], path: Path, overwrite: bool = False) -> 
 def check_png_path(path: Path, overwrite: bool = False) -> None:
     """Refuse a png= path the chart could not (or must not) replace, before any run is read."""
     from dtrain.errors import ConfigError
-    from dtrain.safe_write import exists_message, refuse_link
+    from dtrain.reliability.safe_write import exists_message, refuse_link
 
     refuse_link(path, f"png={path}")
     if path.is_dir():

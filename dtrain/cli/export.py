@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(f"dtype={args.dtype!r} is not valid; choose {', '.join(DTYPES)}")
     from dtrain.checkpoint.weights import consolidate, load_checkpoint, resolve_checkpoint
     from dtrain.hf import HF_FILES
-    from dtrain.safe_write import refuse_link, staged
+    from dtrain.reliability.safe_write import refuse_link, staged
 
     path = resolve_checkpoint(args.checkpoint)
     out = Path(args.out)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def check_finite(model_state: dict, path, allow: bool) -> None:
     """Weights with NaN or inf load and sample silently into garbage: refused unless asked."""
-    from dtrain.nonfinite import nonfinite_tensors
+    from dtrain.reliability.nonfinite import nonfinite_tensors
 
     count, names = nonfinite_tensors(model_state)
     if count and not allow:
@@ -106,7 +106,7 @@ def check_finite(model_state: dict, path, allow: bool) -> None:
 
 
 def _exists(path) -> str:
-    from dtrain.safe_write import exists_message
+    from dtrain.reliability.safe_write import exists_message
 
     return exists_message(path)
 

@@ -34,7 +34,7 @@ import torch
 from dtrain.data.stream import SKIP_KINDS, StreamSpec, classify, is_heldout, start_state
 from dtrain.data.stream import stream_blocks as _stream_blocks
 from dtrain.errors import DataError
-from dtrain.preemption import ignore_stop_signals
+from dtrain.reliability.preemption import ignore_stop_signals
 
 log = logging.getLogger("dtrain")
 

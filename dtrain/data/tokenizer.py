@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import ConfigError, DataError
-from dtrain.safe_write import staged
+from dtrain.reliability.safe_write import staged
 
 log = logging.getLogger("dtrain")
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 EVENTS_DIR = "tensorboard"
-PROFILE_DIR = "profile"  # dtrain.profiling's traces, a run of their own
+PROFILE_DIR = "profile"  # dtrain.reporting.profiling's traces, a run of their own
 
 # The HParams table's hyperparameter columns (the loggers get every key of run_hparams).
 HPARAMS = (

@@ -16,8 +16,6 @@ from dtrain.checkpoint import CheckpointManager
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
-from dtrain.faults import NonfiniteInjector
-from dtrain.inspector import Inspector
 from dtrain.memory import (
     MemoryPlan,
     SpeedPlan,
@@ -28,12 +26,14 @@ from dtrain.memory import (
     run_speed_prediction,
     summary_lines,
 )
-from dtrain.metrics import MetricsWriter, peak_flops
 from dtrain.model import count_params, flops_per_token
-from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import short_warmup_warning
 from dtrain.precision import Precision, build_precision, fp8_scaling_note
-from dtrain.profiling import StepProfiler
+from dtrain.reliability.faults import NonfiniteInjector
+from dtrain.reliability.nonfinite import NonfiniteGuard
+from dtrain.reporting.inspector import Inspector
+from dtrain.reporting.metrics import MetricsWriter, peak_flops
+from dtrain.reporting.profiling import StepProfiler
 from dtrain.reporting.summary import run_hparams
 from dtrain.reporting.tensorboard import run_name
 from dtrain.run.preflight import ResumePoint, resolve_resume

@@ -13,7 +13,7 @@ from dtrain import dist as ddist
 from dtrain.config import TrainConfig
 from dtrain.errors import ConfigError, FaultError
 from dtrain.hardware import GpuSpec, gpu_named
-from dtrain.safe_write import write_text
+from dtrain.reliability.safe_write import write_text
 
 log = logging.getLogger("dtrain")
 

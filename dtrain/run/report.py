@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dtrain.memory import PREDICTION_COMPARES, prediction_error_pct
-from dtrain.metrics import Throughput, gather_memory, memory_scalars
+from dtrain.reporting.metrics import Throughput, gather_memory, memory_scalars
 from dtrain.reporting.summary import PREDICTED_SPEED_KEY
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointSaveError, Saved, latest_complete
 from dtrain.errors import FaultError
-from dtrain.nonfinite import nonfinite_tensors
+from dtrain.reliability.nonfinite import nonfinite_tensors
 from dtrain.run.preflight import run_identity
 
 if TYPE_CHECKING:

@@ -23,7 +23,6 @@ from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig, yaml_v
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
-from dtrain.nonfinite import NonfiniteGuard
 from dtrain.optim import set_lr
 from dtrain.precision import (
     PRECISIONS,
@@ -34,6 +33,7 @@ from dtrain.precision import (
     check_strategy,
     precision_hooks,
 )
+from dtrain.reliability.nonfinite import NonfiniteGuard
 from dtrain.strategies.eager_step import eager_step
 
 log = logging.getLogger("dtrain")
@@ -194,8 +194,9 @@ class Strategy:
         # or None.
         self.post_step = self.post_load = self.rank_local = self.step_mode = None
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
-        # dtrain.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure(); with
-        # fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a stop).
+        # dtrain.reliability.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure();
+        # with fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a
+        # stop).
         self.nonfinite: NonfiniteGuard | None = None
         self.check()
 

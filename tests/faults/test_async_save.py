@@ -25,10 +25,11 @@ import torch.distributed.checkpoint as dcp
 
 import dtrain.checkpoint.host_memory as host_memory
 import dtrain.checkpoint.manager as manager
-from dtrain import faults, host_staging
+from dtrain import host_staging
 from dtrain.checkpoint import MANIFEST, MARKER, CheckpointManager, CheckpointSaveError
 from dtrain.config import CheckpointConfig
 from dtrain.errors import ConfigError
+from dtrain.reliability import faults
 from tests.conftest import FAST, ROOT, launch, read_jsonl, train, train_losses
 from tests.faults.helpers import SAVES, check_and_resume, kill_tree, one_error_line, start
 

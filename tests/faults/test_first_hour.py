@@ -173,7 +173,7 @@ def test_compare_takes_key_value_and_refuses_unknown_keys(trained, capsys):
 
 @pytest.mark.parametrize("fmt,name", [("hf", "hf"), ("torch", "m.pt")])
 def test_export_into_a_read_only_folder_is_one_line(trained, tmp_path, monkeypatch, fmt, name):
-    import dtrain.safe_write as safe_write
+    import dtrain.reliability.safe_write as safe_write
     from dtrain.cli.export import main
 
     def read_only(*a, **k):  # what mkdtemp meets in a read-only folder (root ignores modes)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.errors import FaultError
-from dtrain.nonfinite import NonfiniteGuard
+from dtrain.reliability.nonfinite import NonfiniteGuard
 from tests.conftest import FAST, launch, read_jsonl, train
 from tests.faults.helpers import one_error_line
 
@@ -183,7 +183,7 @@ def test_a_poisoned_state_is_never_saved_and_the_last_good_one_is_named(tmp_path
 
 
 def test_nonfinite_tensors_names_the_bad_ones():
-    from dtrain.nonfinite import nonfinite_tensors
+    from dtrain.reliability.nonfinite import nonfinite_tensors
 
     state = {
         "model": {"a": torch.ones(3), "b": torch.tensor([1.0, float("inf")])},

@@ -1,6 +1,6 @@
-"""One run per run dir (dtrain/rundir.py): a second run in a run dir that a live run holds exits
-2 naming the holder and touches nothing; the lock of a dead run is stale and taken over; every
-rank of one torchrun job shares the lock that rank 0 holds."""
+"""One run per run dir (dtrain/reliability/rundir.py): a second run in a run dir that a live run
+holds exits 2 naming the holder and touches nothing; the lock of a dead run is stale and taken
+over; every rank of one torchrun job shares the lock that rank 0 holds."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from dtrain import rundir
 from dtrain.errors import ConfigError
+from dtrain.reliability import rundir
 from tests.conftest import launch
 from tests.faults.helpers import kill_tree, one_error_line, snapshot, start, wait_for_step
 

@@ -22,7 +22,7 @@ import torch
 
 from dtrain import train as loop
 from dtrain.config import compose
-from dtrain.preemption import StopSignal
+from dtrain.reliability.preemption import StopSignal
 from dtrain.run.report import StepReport
 from tests.fsdp_fp8_worker import gathers_seen
 

@@ -197,7 +197,7 @@ def test_memory_prediction_at_1b_is_within_10_percent_of_peak_reserved(tmp_path,
 
 def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
     """profile.memory_snapshot_steps on CUDA: the snapshot memory_viz reads, and a summary
-    whose segments add up to what the allocator reserves (dtrain.allocator_snapshot)."""
+    whose segments add up to what the allocator reserves (dtrain.reporting.allocator_snapshot)."""
     recs = run(tmp_path / "run", "precision=bf16", EAGER, "profile.memory_snapshot_steps=3")
     mem = tmp_path / "run" / "memory"
     with open(mem / "snapshot_rank0.pickle", "rb") as f:

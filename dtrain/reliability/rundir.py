@@ -16,7 +16,7 @@ A run refused for bad input (a UserError) before its first step leaves the run d
 found it: rank 0 notes what was there when it took the lock, and undo_refused() removes what
 the run added since (the whole dir if it made it), puts back .hydra/ and cuts appended files
 back to their length. A symbolic link anywhere in the run dir is refused before anything is
-written (dtrain/safe_write.py).
+written (dtrain/reliability/safe_write.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain.errors import ConfigError, UserError
-from dtrain.safe_write import check_tree
+from dtrain.reliability.safe_write import check_tree
 
 LOCK = ".lock"
 WAIT_S = 120.0  # how long a non-zero rank waits for rank 0 to take the lock for their job

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dtrain.allocator_snapshot import AllocatorSnapshot
 from dtrain.config import ProfileConfig
+from dtrain.reporting.allocator_snapshot import AllocatorSnapshot
 
 log = logging.getLogger("dtrain")
 
