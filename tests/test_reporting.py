@@ -365,3 +365,16 @@ def test_mlflow_file_store_logs_params_metrics_and_summary(tmp_path):
     assert "memory/worst_rank/model_state_gib" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "summary.json"} <= artifacts
+
+
+def test_hparams_name_the_precisions_own_choices():
+    from dtrain.reporting.summary import precision_choices
+
+    int8 = compose("precision=int8", "precision.int8_gemm=pointer").precision
+    got = precision_choices(int8)
+    assert got["precision.int8_gemm"] == "pointer"
+    assert got["precision.optimizer_8bit"] is False
+    assert not any(k.startswith("precision.fp8_") for k in got)
+    assert precision_choices(compose("precision=bf16").precision) == {
+        "precision.optimizer_8bit": False
+    }

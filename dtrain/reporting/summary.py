@@ -233,4 +233,15 @@ def run_hparams(
         "device": env.device.type,
         "gpu": torch.cuda.get_device_name(env.device) if cuda else "cpu",
         "compile": compile_enabled,
-    }
+    } | precision_choices(cfg.precision)
+
+
+def precision_choices(p) -> dict:
+    """The precision's own choices (precision.int8_* for int8, precision.fp8_* for fp8) and the
+    8-bit optimizer, as `precision.<key>`: two int8 runs with other kernels tell apart."""
+    from dtrain.config import PRECISION_OWN_KEYS
+
+    own = p.name.split("-")[0] + "_"
+    keys = [k for k in PRECISION_OWN_KEYS if k.startswith(own)] + ["optimizer_8bit"]
+    values = {k: getattr(p, k, None) for k in keys}
+    return {f"precision.{k}": v for k, v in values.items() if isinstance(v, str | int | float)}
