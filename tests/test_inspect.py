@@ -104,7 +104,9 @@ def test_profiler_writes_a_trace_and_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "top operators by self CPU time" in out and "aten::mm" in out
     table = (tmp_path / "profile_table.txt").read_text()
-    assert "Self CPU" in table and "ProfilerStep*" in table
+    # The step markers are in the trace; the 8 rows by self time may leave them out under load
+    assert "Self CPU" in table and "aten::mm" in table
+    assert "ProfilerStep#" in traces[0].read_text()
 
 
 def test_profiler_that_records_nothing_says_so(tmp_path, capsys):

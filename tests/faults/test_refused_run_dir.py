@@ -28,7 +28,7 @@ CASES = {
     "fp16 on CPU": (["precision=fp16"], "precision=fp16 needs a CUDA GPU"),
     "jsonl without text": (
         ["data=local", "data.files={d}/notext.jsonl"],
-        "have no field 'text' (data.text_field); their fields: body",
+        "has no field 'text' (data.text_field); its fields: body",
     ),
     "eval set too small": (
         ["data=local", "data.files={d}/small.txt", "trainer.eval_every=1"],
