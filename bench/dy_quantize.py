@@ -5,7 +5,7 @@ GPU (issue 16): dy is quantized per token over its channels for the grad-input G
 would save, and what bounds it:
 
     apart       the two ops as training runs them (autotuned), and each alone
-    apart, mul  the same ops with int8_triton.quantize_values patched (a second process,
+    apart, mul  the same ops with triton_gemm.quantize_values patched (a second process,
                 before anything compiles) to multiply each value by Triton's approximate
                 reciprocal of its scale (`1.0 / s`, div.full, one a value; codes may differ by
                 one). Measured first against the IEEE division a value that the ops had then
@@ -87,8 +87,8 @@ def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]
     """Times each shape's variants; with `mul`, only the ops, their exact reciprocal a scale
     patched to the approximate one a value."""
     tile, quantize_values_mul = _kernels()
-    from dtrain.lowp import int8_grouped_triton as igt
-    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.int8 import grouped_triton as igt
+    from dtrain.lowp.int8 import triton_gemm as it
 
     if mul:  # before anything compiles: the kernels look the helper up when they do
         it.quantize_values = igt.quantize_values = quantize_values_mul
@@ -117,10 +117,10 @@ def measure(shapes: dict, device: str, interpret: bool, mul: bool) -> list[dict]
 def _measure_shape(name, m, n, device, interpret, mul, timer, tile) -> dict:
     import torch
 
-    from dtrain.lowp import int8_grouped as ig
-    from dtrain.lowp import int8_grouped_triton as igt
-    from dtrain.lowp import int8_triton as it
-    from dtrain.lowp.int8 import quantize_rowwise
+    from dtrain.lowp.int8 import grouped as ig
+    from dtrain.lowp.int8 import grouped_triton as igt
+    from dtrain.lowp.int8 import triton_gemm as it
+    from dtrain.lowp.int8.quant import quantize_rowwise
 
     gen = torch.Generator(device=device).manual_seed(0)
     g = (torch.randn((m, n), generator=gen, device=device) * 1e-3).to(torch.bfloat16)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dtrain.lowp.int8_triton import _rint, row_scales
+from dtrain.lowp.int8.triton_gemm import _rint, row_scales
 
 
 @triton.jit
 def quantize_values_mul(v, scale):
-    """int8_triton.quantize_values with Triton's approximate reciprocal (`1.0 / s`, div.full)
+    """triton_gemm.quantize_values with Triton's approximate reciprocal (`1.0 / s`, div.full)
     a value in place of its IEEE reciprocal a row."""
     y = _rint(v * (1.0 / tl.broadcast_to(scale[:, None], v.shape)))
     return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)

@@ -186,7 +186,7 @@ def _fp8_mm(a, b, sa, sb):
 
 
 # bf16 first: the others' speed-ups are against it. "grouped" (the Triton kernels) and
-# "grouped_gluon" (dtrain/lowp/int8_grouped_gluon.py, Hopper only; the faster of its tiles,
+# "grouped_gluon" (dtrain/lowp/int8/grouped_gluon.py, Hopper only; the faster of its tiles,
 # named in the JSON's `grouped_gluon_tile`): grad-weight GEMMs only.
 GEMM_WAYS = (
     "bf16", "int_mm_dequant", "triton", "triton_tma", "triton_tma_f32", "gluon", "grouped",
@@ -197,7 +197,7 @@ GEMM_WAYS = (
 def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
     import torch
 
-    from dtrain.lowp import int8 as i8
+    from dtrain.lowp.int8 import linear as i8
 
     ms = _timer(device)
     seen: dict[tuple, dict] = {}
@@ -220,7 +220,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                 ),
             }
             if with_triton:
-                from dtrain.lowp import int8_triton as it
+                from dtrain.lowp.int8 import triton_gemm as it
 
                 tri = partial(it.int8_mm, a, b, sa, sb, torch.bfloat16)
                 res["triton_ms"] = _try(_first_then_time, ms, tri)
@@ -237,7 +237,7 @@ def bench_gemms(cases, device, with_triton: bool) -> list[dict]:
                         res["triton_tma_f32_ms"] = _try(_first_then_time, ms, tma32)
                 if case["role"] == "grad_weight":  # precision.int8_grad_weight=int8_grouped:
                     # a scale per row per 128 tokens of the reduction, fp32 out (the weight's)
-                    from dtrain.lowp import int8_grouped_triton as igt
+                    from dtrain.lowp.int8 import grouped_triton as igt
 
                     sg = torch.rand(m, igt.group_count(k), device=device) + 0.01
                     grouped = partial(igt.int8_mm_grouped, a, b, sg, torch.float32)
@@ -267,11 +267,11 @@ def _gluon_gemm(ms, a, b, sa, sb, tma_out) -> dict:
     bits (`tma_out`, just computed); {} elsewhere."""
     import torch
 
-    from dtrain.lowp.gluon_support import has_gluon_hopper
+    from dtrain.lowp.int8.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         return {}
-    from dtrain.lowp import int8_gemm_gluon as gg
+    from dtrain.lowp.int8 import gluon_gemm as gg
 
     if not gg.applies(a, b, sa, sb, tma_out.dtype):
         return {}
@@ -288,12 +288,12 @@ def _gluon_grouped(ms, a, b, sg, device) -> dict:
     time and which tile it was; {} where it cannot run."""
     import torch
 
-    from dtrain.lowp import int8_grouped_triton as igt
-    from dtrain.lowp.gluon_support import has_gluon_hopper
+    from dtrain.lowp.int8 import grouped_triton as igt
+    from dtrain.lowp.int8.gluon_support import has_gluon_hopper
 
     if not (has_gluon_hopper() and igt.gluon_applies(a, b)):  # the dispatch's own test
         return {}
-    from dtrain.lowp import int8_grouped_gluon as gg
+    from dtrain.lowp.int8 import grouped_gluon as gg
 
     out = torch.empty(a.shape[0], b.shape[1], device=device)
     times = {t: _try(_first_then_time, ms, partial(gg.launch, a, b, sg, out, t)) for t in gg.TILES}
@@ -319,7 +319,7 @@ def bench_linears(models, device, with_triton: bool) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from dtrain.lowp import int8 as i8
+    from dtrain.lowp.int8 import linear as i8
 
     ms = _timer(device)
     model = next(iter(models))
@@ -357,8 +357,8 @@ GROUPED_QUANTIZE_WAYS = ("grouped_compiled", "grouped_triton")
 def bench_quantize(models, device, with_triton: bool) -> list[dict]:
     import torch
 
-    from dtrain.lowp import int8 as i8
-    from dtrain.lowp import int8_grouped as ig
+    from dtrain.lowp.int8 import grouped as ig
+    from dtrain.lowp.int8 import linear as i8
 
     torch._dynamo.config.cache_size_limit = 64  # a compile per shape and layout
     ms = _timer(device)
@@ -386,7 +386,7 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
         res["eager_ms"] = _try(_first_then_time, ms, partial(i8.quantize_rowwise, x))
         res["compiled_ms"] = _try(_first_then_time, ms, partial(compiled, x))
         if with_triton:
-            from dtrain.lowp import int8_triton as it
+            from dtrain.lowp.int8 import triton_gemm as it
 
             res["triton_ms"] = _try(_first_then_time, ms, partial(it.quantize_rowwise, x, None))
             # each way with its fixed tile (the op autotunes contiguous rows among both; rows
@@ -400,7 +400,7 @@ def bench_quantize(models, device, with_triton: bool) -> list[dict]:
             ts = torch.rand(r, 1, device=device) + 0.01
             res["grouped_compiled_ms"] = _try(_first_then_time, ms, partial(grouped, x, ts))
             if with_triton:
-                from dtrain.lowp import int8_grouped_triton as igt
+                from dtrain.lowp.int8 import grouped_triton as igt
 
                 tri = partial(igt.quantize_groups, x, ts)
                 res["grouped_triton_ms"] = _try(_first_then_time, ms, tri)
@@ -418,7 +418,7 @@ def bench_gate(models, device, with_triton: bool) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from dtrain.lowp import int8 as i8
+    from dtrain.lowp.int8 import linear as i8
 
     torch._dynamo.config.cache_size_limit = 64
     ms = _timer(device)
@@ -490,7 +490,7 @@ def part_micro(args) -> dict:
     if device.type == "cuda":
         import triton
 
-        from dtrain.lowp import int8 as i8
+        from dtrain.lowp.int8 import linear as i8
 
         info.update(
             name=torch.cuda.get_device_name(),
@@ -512,9 +512,9 @@ def part_micro(args) -> dict:
             res["quantize"] = bench_quantize(models, device, with_triton)
             res["gate"] = bench_gate(models, device, with_triton)
     if with_triton:
-        from dtrain.lowp import int8_grouped_triton as igt
-        from dtrain.lowp import int8_triton as it
         from dtrain.lowp.experimental import int8_swiglu_triton as swt
+        from dtrain.lowp.int8 import grouped_triton as igt
+        from dtrain.lowp.int8 import triton_gemm as it
 
         res["autotuned"] = {
             **it.tuned_configs(),

@@ -44,7 +44,7 @@ fsdp8b() {  # $1 = result name, then overrides
 # fp8head is fp8 with the LM head in fp8 too, fp8fast that and fast accumulation in the backward,
 # fp8acc fast accumulation in the backward alone; fp8gi fast accumulation in the grad-input GEMM
 # only, fp8headgi that with the head in fp8; int8o8 and fp8o8 are int8 and fp8 with AdamW's
-# moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit.py), fp8o8gi fp8o8 with
+# moments in 8 bits (precision.optimizer_8bit, dtrain/lowp/optim8bit/adamw.py), fp8o8gi fp8o8 with
 # fast accumulation in the grad-input GEMM. precision=fp8 scales with delayed amaxes where
 # parameters are whole (fp8_scaling=auto: single1b, slice8b, so fp8 and its variants there are
 # delayed ones) and dynamically under fsdp; fp8dyn names dynamic scales. fp8_fast_accum=

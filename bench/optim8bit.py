@@ -1,5 +1,5 @@
 """The optimizer step alone, at a model's parameter shapes: fused AdamW, torchao's AdamW8bit
-(one compiled call per tensor) and dtrain's step of it (dtrain/lowp/optim8bit.py: grouped_8bit
+(one compiled call per tensor) and dtrain's step of it (dtrain/lowp/optim8bit/adamw.py: grouped_8bit
 as training takes it, the Triton kernel on CUDA where it applies, else compiled groups), on
 plain tensors or, with --fsdp, on FSDP2's DTensors (fully_shard on one
 rank, each block and then the root, as strategy=fsdp shards them).

@@ -1,4 +1,4 @@
-"""The 8-bit AdamW Triton kernel (dtrain/lowp/optim8bit_triton.py) on one tensor of a
+"""The 8-bit AdamW Triton kernel (dtrain/lowp/optim8bit/triton_step.py) on one tensor of a
 model's shape, for each launch shape (256-element blocks a program x warps): ms a step and
 the bytes it moves (16 a parameter) a second. One JSON line per shape. CUDA; --smoke runs
 a small tensor in Triton's interpreter on the CPU (set TRITON_INTERPRET=1)."""
@@ -30,7 +30,7 @@ def main() -> None:
         ap.error(f"--rows {bad[0]}: blocks a program must be a power of two (1, 2, 4, 8, ...)")
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from dtrain.lowp.optim8bit_triton import adamw8bit_step
+    from dtrain.lowp.optim8bit.triton_step import adamw8bit_step
 
     shape = (4, 512) if args.smoke else tuple(_ints(args.shape))
     dev = torch.device("cpu" if args.smoke else "cuda")

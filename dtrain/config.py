@@ -141,7 +141,7 @@ class PrecisionConfig:
     fp8_fast_accum: Fp8FastAccum = "grad_input"
     # precision=fp8 (tensorwise): the inputs' and output gradients' scales from this tensor's
     # amax (dynamic: two passes over it) or from the last fp8_amax_history steps' (delayed:
-    # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8_delayed.py); auto:
+    # the cast fuses into the kernel that makes the tensor; dtrain/lowp/fp8/delayed.py); auto:
     # delayed where parameters are whole (single, ddp), dynamic where they are sharded
     # (dtrain.precision.resolve_fp8_scaling says why)
     fp8_scaling: Fp8Scaling = "auto"

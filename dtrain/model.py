@@ -81,7 +81,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     # Linears that read one tensor: fp8's delayed scaling gives them one scale, so that tensor
-    # is cast to fp8 once (dtrain/lowp/fp8_delayed.py).
+    # is cast to fp8 once (dtrain/lowp/fp8/delayed.py).
     same_input = ("wq", "wk", "wv")
 
     def __init__(self, cfg: ModelConfig):

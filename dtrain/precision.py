@@ -26,7 +26,7 @@ from torch import nn
 
 from dtrain.config import AUTO, PrecisionConfig, check_choices
 from dtrain.errors import ConfigError
-from dtrain.lowp.options import INT8_KEYS, Int8Options
+from dtrain.lowp.int8 import INT8_KEYS, Int8Options
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def check_kernels(cfg: PrecisionConfig) -> None:
         return
     for key, others in (("int8_grouped_gemm", "auto or triton"), ("int8_gemm", "tma or pointer")):
         if getattr(cfg, key) == "gluon":
-            from dtrain.lowp.gluon_support import has_gluon_hopper, triton_version
+            from dtrain.lowp.int8 import has_gluon_hopper, triton_version
 
             if not has_gluon_hopper():
                 raise ConfigError(
@@ -449,7 +449,7 @@ def apply_precision(module: nn.Module, precision: Precision, *, sharded: bool = 
 
 class RankState(Protocol):
     """State a precision keeps per rank (each rank's from its own data), saved in the rank's
-    own file of a checkpoint: fp8 delayed scaling's amax histories (lowp/fp8_delayed). Where
+    own file of a checkpoint: fp8 delayed scaling's amax histories (lowp/fp8/delayed). Where
     the number of ranks changed, load_state_dict is given another rank's."""
 
     def state_dict(self) -> dict: ...
@@ -460,7 +460,7 @@ class RankState(Protocol):
 
 class StepMode(Protocol):
     """Which steps of a compiled model a precision wants run eagerly: fp8 delayed scaling's
-    dynamic first step (lowp/fp8_delayed; the strategy runs it, strategies/eager_step)."""
+    dynamic first step (lowp/fp8/delayed; the strategy runs it, strategies/eager_step)."""
 
     def runs_eager(self) -> bool:
         """Whether the next step (or eval) should run eagerly."""
@@ -492,17 +492,17 @@ def precision_hooks(
       per block, each a sync point on the communication stream); torchao's precompute does all
       of them in one all-reduce right after the step, as torchtitan does, and again after a
       load (the scales follow the weights just loaded). `compiled`: the shards' fp8 cast that
-      follows it runs as one compiled call (lowp/fp8.cast_shards).
+      follows it runs as one compiled call (lowp/fp8/linear.cast_shards).
     - precision.fp8_scaling=delayed pushes the step's amaxes into their histories after each
       step (compiled where the model is) and starts again from dynamic scales after a load
-      (lowp/fp8_delayed), unless the rank's saved histories are then loaded (rank_state). A
+      (lowp/fp8/delayed), unless the rank's saved histories are then loaded (rank_state). A
       step that scales dynamically runs eagerly where the model compiles with whole
       parameters (step_mode)."""
     steps: list[Callable[[], None]] = []
     loads: list[Callable[[], None]] = []
     delayed = None
     if precision.quantize == "fp8" and precision.fp8_scaling == "delayed":
-        from dtrain.lowp.fp8_delayed import DelayedScaling
+        from dtrain.lowp.fp8.delayed import DelayedScaling
 
         # The dynamic first step eagerly where the model compiles and its blocks are whole
         # (strategies/eager_step recomputes them in backward, which FSDP's hooks would miss),
@@ -550,7 +550,7 @@ def build_loss_scaler(precision: Precision, device: torch.device, *, sharded: bo
 
 def build_precision_optimizer(module: nn.Module, cfg, precision: Precision, device: torch.device):
     """The optimizer for `precision`: torchao's AdamW8bit (stepped in compiled groups:
-    dtrain/lowp/optim8bit.py) when optimizer_8bit, else AdamW."""
+    dtrain/lowp/optim8bit/adamw.py) when optimizer_8bit, else AdamW."""
     from dtrain.optim import build_optimizer
 
     if not precision.optimizer_8bit:

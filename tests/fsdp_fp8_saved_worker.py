@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, gloo): what a compiled fp8 block under fsdp (fp8 all-gather,
 blocks kept gathered) saves for backward. torch._scaled_mm runs in real fp8 on CPU, so the
-graphs are CUDA's. argv[2] "on": dtrain's joint-graph pass (lowp/fp8_layout.py,
+graphs are CUDA's. argv[2] "on": dtrain's joint-graph pass (lowp/fp8/layout.py,
 WeightTransposesInBackward) as apply_fp8 installs it; "off": taken out before the first
 compile. Writes rank{r}_{argv[2]}.txt into argv[1]: fp8 tensors saved by the forward, how many
 of them hold memory of their own (not a gathered weight's), the loss and every gradient.
@@ -44,7 +44,7 @@ def main() -> None:
     s.setup(cfg.model, cfg.optim, seed=0)
     import torch._inductor.config as inductor_config
 
-    from dtrain.lowp.fp8_layout import WeightTransposesInBackward
+    from dtrain.lowp.fp8.layout import WeightTransposesInBackward
 
     assert isinstance(inductor_config.joint_custom_pre_pass, WeightTransposesInBackward)
     if mode == "off":

@@ -4,10 +4,11 @@ FSDP2 all-gathers fp8 weights; every shard must cast with the same scale. After 
 step the strategy precomputes all weights' scales in one all-reduce (precision.precision_hooks)
 instead of one all-reduce per linear in the next forward. This trains 3 steps with the hook and
 3 without, from the same weights and data, and writes rank{r}.txt into argv[1]: how many fp8
-weights carry a precomputed scale and a cached fp8 shard (lowp/fp8.install_cached_weight_cast)
-after the hooked run, and whether both runs ended on the same weights bit for bit (the scale
-and the cast are the ones the forward would compute, and a stale cache would change step 2).
-The hook casts every shard right after the step (lowp/fp8.precompute_fp8_scales): each cache
+weights carry a precomputed scale and a cached fp8 shard
+(lowp/fp8/linear.install_cached_weight_cast) after the hooked run, and whether both runs ended
+on the same weights bit for bit (the scale and the cast are the ones the forward would compute,
+and a stale cache would change step 2).
+The hook casts every shard right after the step (lowp/fp8/linear.precompute_fp8_scales): each cache
 must hold the scale just computed and the shard cast from the weights just updated. Then, with
 precision.fp8_all_gather=false, 3 steps more: the weights stay plain (gathered in the compute
 dtype, cast by each block), no post-step hook, and they train.
@@ -144,7 +145,7 @@ def main() -> None:
     )
     cfg.model.vocab_size = 64
     scaled, cached, hooked = train(env, cfg, hooked=True)
-    from dtrain.lowp import fp8
+    from dtrain.lowp.fp8 import linear as fp8
 
     assert fp8._compiled_cast_all is None  # strategy.compile=false: the shards cast eagerly
     unscaled, _, plain = train(env, cfg, hooked=False)

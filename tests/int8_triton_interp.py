@@ -21,13 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_int8_triton.py"
 
-from dtrain.lowp import int8 as i8  # noqa: E402
-from dtrain.lowp import int8_grouped as ig  # noqa: E402
-from dtrain.lowp import int8_grouped_triton as igt  # noqa: E402
-from dtrain.lowp import int8_triton as it  # noqa: E402
 from dtrain.lowp.experimental import int8_swiglu as sw  # noqa: E402
 from dtrain.lowp.experimental import int8_swiglu_triton as swt  # noqa: E402
-from dtrain.lowp.options import Int8Options  # noqa: E402
+from dtrain.lowp.int8 import grouped as ig  # noqa: E402
+from dtrain.lowp.int8 import grouped_triton as igt  # noqa: E402
+from dtrain.lowp.int8 import linear as i8  # noqa: E402
+from dtrain.lowp.int8 import triton_gemm as it  # noqa: E402
+from dtrain.lowp.int8.options import Int8Options  # noqa: E402
 
 # (M, N, K): not multiples of 16/32/64; a single row/column; K a multiple of 128 (EVEN_K).
 SHAPES = [(33, 70, 100), (1, 1, 16), (257, 129, 64), (17, 8, 300), (64, 96, 256), (5, 3, 1)]
@@ -434,7 +434,7 @@ def test_fastest_takes_the_kernel_timed_faster_per_shape_and_times_each_shape_on
     kernel median_ms timed faster on that shape (timed once per shape and out dtype, after each
     tuned); "gluon" runs it untimed. The launches are stand-ins recording which ran (the real
     ones are Hopper's: tests/gpu/gluon_gemm_check.py runs them)."""
-    gg = pytest.importorskip("dtrain.lowp.int8_gemm_gluon")
+    gg = pytest.importorskip("dtrain.lowp.int8.gluon_gemm")
     ran, timed = [], []
 
     def fake(name):
@@ -480,7 +480,7 @@ def test_dispatch_in_the_interpreter():
     assert i8.select_kernel("cpu") == ("torch", "no CUDA device")
 
 
-# --- the grouped grad-weight GEMM (dtrain/lowp/int8_grouped_triton.py) --------------------------
+# --- the grouped grad-weight GEMM (dtrain/lowp/int8/grouped_triton.py) --------------------------
 
 # (N, M, K) of dW (N, K) = gq (N, M) @ xq (M, K): reductions M of one group, a short last one,
 # under a group; odd N and K.

@@ -1,4 +1,4 @@
-"""The 8-bit AdamW kernel's quantizer (dtrain/lowp/optim8bit_triton.py: `_code_guess` from
+"""The 8-bit AdamW kernel's quantizer (dtrain/lowp/optim8bit/triton_step.py: `_code_guess` from
 the value, `_quantize` from the guess and the table) against torchao's binary search, also
 with the guess moved one code either way (the GPU's log2 may do that; the interpreter's does
 not), on every table value, the midpoints between neighbours (where rounding turns) and
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.optim8bit_triton import _code_guess, _quantize
+from dtrain.lowp.optim8bit.triton_step import _code_guess, _quantize
 
 
 @triton.jit

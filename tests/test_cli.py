@@ -99,18 +99,18 @@ def test_a_gluon_gemm_needs_gluon_and_says_so_at_launch(monkeypatch, key, others
     Hopper: one ConfigError naming the key, what it needs and the other choices."""
     from dtrain.config import PrecisionConfig
     from dtrain.errors import ConfigError
-    from dtrain.lowp import gluon_support
+    from dtrain.lowp import int8
     from dtrain.precision import check_kernels
 
     cfg = PrecisionConfig(name="int8", **{key: "gluon"})
-    monkeypatch.setattr(gluon_support, "has_gluon_hopper", lambda: False)
+    monkeypatch.setattr(int8, "has_gluon_hopper", lambda: False)
     said = (
         rf"^precision.{key}=gluon needs Triton's Gluon for Hopper \(Triton 3\.6 or "
         rf"later\); (this is Triton |Triton is not).+: choose {others}$"
     )
     with pytest.raises(ConfigError, match=said):
         check_kernels(cfg)
-    monkeypatch.setattr(gluon_support, "has_gluon_hopper", lambda: True)
+    monkeypatch.setattr(int8, "has_gluon_hopper", lambda: True)
     check_kernels(cfg)  # with Gluon: fine
 
 

@@ -1,4 +1,4 @@
-"""precision.fp8_scaling=delayed (dtrain/lowp/fp8_delayed.py), on CPU where torch._scaled_mm
+"""precision.fp8_scaling=delayed (dtrain/lowp/fp8/delayed.py), on CPU where torch._scaled_mm
 runs in real fp8: the first step is dynamic scaling bit for bit; later casts take their scale
 from the amax history (the output and both gradients are those of that scale, saturating
 where the history is too small); the history rolls after each step, keeps the max over
@@ -23,7 +23,7 @@ from tests.test_fp8_layout import fp8_block
 from tests.test_precision import CPU, TINY
 
 pytest.importorskip("torchao")
-fp8_delayed = pytest.importorskip("dtrain.lowp.fp8_delayed")
+fp8_delayed = pytest.importorskip("dtrain.lowp.fp8.delayed")
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 

@@ -1,4 +1,4 @@
-"""dtrain/lowp/fp8_layout.py: the fp8 weight-gradient transposes taken out of Inductor's fused
+"""dtrain/lowp/fp8/layout.py: the fp8 weight-gradient transposes taken out of Inductor's fused
 kernels. On CPU (torch._scaled_mm runs there in real fp8): the pass finds the transposed copies
 in a compiled fp8 block's backward, replaces every one, and the step gives the same bits."""
 
@@ -17,7 +17,7 @@ from dtrain.precision import block_linear_filter
 from tests.conftest import ROOT, cli_env
 
 pytest.importorskip("torchao")
-fp8_layout = pytest.importorskip("dtrain.lowp.fp8_layout")
+fp8_layout = pytest.importorskip("dtrain.lowp.fp8.layout")
 
 
 @pytest.fixture
@@ -156,7 +156,7 @@ def test_the_triton_transpose_in_the_interpreter():
     # The CUDA kernel's code, run on CPU by Triton's interpreter: odd shapes, partial tiles.
     code = (
         "import torch\n"
-        "from dtrain.lowp.transpose_triton import transpose_bytes\n"
+        "from dtrain.lowp.fp8.triton_transpose import transpose_bytes\n"
         "for m, n in [(0, 5), (1, 1), (3, 130), (129, 64), (200, 17), (65, 63)]:\n"
         "    x = torch.randn(m, n).to(torch.float8_e5m2)\n"
         "    y = torch.ops.dtrain.fp8_transpose(x)\n"
@@ -172,7 +172,7 @@ def test_the_triton_transpose_in_the_interpreter():
     env = cli_env()
     env["TRITON_INTERPRET"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
-    pre = "import dtrain.lowp.fp8_layout\n"
+    pre = "import dtrain.lowp.fp8.layout\n"
     res = subprocess.run(
         [sys.executable, "-c", pre + code],
         cwd=ROOT,

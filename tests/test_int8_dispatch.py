@@ -13,8 +13,8 @@ from torch import nn
 
 from dtrain.config import PrecisionConfig
 from dtrain.errors import ConfigError
-from dtrain.lowp import int8 as i8
-from dtrain.lowp.options import Int8Options
+from dtrain.lowp.int8 import linear as i8
+from dtrain.lowp.int8.options import Int8Options
 from dtrain.model import ModelConfig, build_model
 from dtrain.precision import apply_precision, build_precision
 

@@ -1,4 +1,4 @@
-"""precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py) on the portable path: the
+"""precision=int8's grouped grad-weight (dtrain/lowp/int8/grouped.py) on the portable path: the
 quantize per 128 tokens, the GEMM that sums group by group, and what it buys in accuracy. The
 Triton kernel is checked against this path bit for bit in tests/int8_triton_interp.py (CPU)
 and tests/gpu/test_int8_kernels.py (CUDA)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtrain.lowp import int8 as i8
-from dtrain.lowp import int8_grouped as ig
+from dtrain.lowp.int8 import grouped as ig
+from dtrain.lowp.int8 import linear as i8
 from tests.test_precision import CountOps, snr_db
 
 
@@ -227,7 +227,7 @@ def test_the_gluon_grouped_gemm_is_taken_only_where_chosen_and_it_can_run(
 ):
     """The grouped GEMM runs on the Gluon kernel on Hopper (sm_90) for TMA-readable operands,
     unless precision.int8_grouped_gemm=triton, and nowhere else."""
-    igt = pytest.importorskip("dtrain.lowp.int8_grouped_triton")
+    igt = pytest.importorskip("dtrain.lowp.int8.grouped_triton")
     monkeypatch.setattr(igt, "GROUPED_GEMM", choice)
     monkeypatch.setattr(igt, "has_gluon_hopper", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)

@@ -15,8 +15,8 @@ from torch import nn
 
 from dtrain.config import PrecisionConfig
 from dtrain.errors import ConfigError
-from dtrain.lowp import int8 as i8
 from dtrain.lowp.experimental import int8_swiglu as sw
+from dtrain.lowp.int8 import linear as i8
 from dtrain.model import FeedForward, ModelConfig, build_model
 from dtrain.precision import apply_precision, build_precision
 from tests.conftest import FAST, launch, train_losses

@@ -138,8 +138,8 @@ def test_swiglu_kernels_spill_no_registers_in_any_tile_autotuning_may_choose(mon
     one-pass tiles of 8b's row, which ONE_PASS_MAX keeps out, spill or leave room for only one
     program a multiprocessor (why the bound)."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_triton as it
     from dtrain.lowp.experimental import int8_swiglu_triton as swt
+    from dtrain.lowp.int8 import triton_gemm as it
 
     kernels = (swt._swiglu_quantize_kernel, swt._swiglu_backward_quantize_kernel)
     for row_c in (8192, 16384):
@@ -165,8 +165,8 @@ def test_swiglu_kernels_divide_once_a_scale_not_once_a_value(monkeypatch):
     approximate); with PyTorch's eager formulas (two IEEE divisions a value) the kernels were
     slower than Inductor's loops (docs/precision.md)."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_triton as it
     from dtrain.lowp.experimental import int8_swiglu_triton as swt
+    from dtrain.lowp.int8 import triton_gemm as it
 
     kernels = ((swt._swiglu_quantize_kernel, 1), (swt._swiglu_backward_quantize_kernel, 3))
     for cfg in it.prune_row_tiles(swt._CONFIGS, {}, ROW_C=8192):
@@ -182,7 +182,7 @@ def test_quantize_kernel_spills_no_registers_in_any_tile_autotuning_may_choose(m
     1b's 5,632 -> 8,192 and 8b's 14,336 -> 16,384) compile for sm_90a within the register
     file, nothing spilled: one pass holds BLOCK_R whole rows in registers."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.int8 import triton_gemm as it
 
     types = {"x_ptr": "*bf16", "col_scale_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32"}
     types.update(R="i32", C="i32", stride_xr="i32")
@@ -211,7 +211,7 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_with_one_fused_multiply_add(m
     multiply and an add each rounded to nearest (no fused multiply-add, no flush to zero): the
     portable path's arithmetic, which the GPU tests compare bit for bit."""
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp.int8 import grouped_triton as igt
 
     common = {"c_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
     common.update(stride_cm="i32", stride_sg="i32")
@@ -262,7 +262,7 @@ def test_grouped_gemm_is_int8_wgmma_without_spills_with_one_fused_multiply_add(m
 
 def _skip_without_gluon_compiler(monkeypatch):
     _skip_without_sm90_compiler(monkeypatch)
-    from dtrain.lowp.gluon_support import has_gluon_hopper
+    from dtrain.lowp.int8.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")
@@ -321,7 +321,7 @@ def _warp_specialized_int8_wgmma_on_tma(compiled) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_gluon_gemm_is_warp_specialized_with_a_wait_a_step(monkeypatch):
-    """The Gluon int8 GEMM (dtrain/lowp/int8_gemm_gluon.py) compiled for sm_90a as training
+    """The Gluon int8 GEMM (dtrain/lowp/int8/gluon_gemm.py) compiled for sm_90a as training
     launches it (bf16 and fp32 outputs), at each of its tiles: warp-specialized (two consumer
     warpgroups and a producer warp), int8 wgmma on TMA stages, and in the SASS each consumer's
     wgmmas of a K step (BLOCK_K / 32 of them for each 64 rows) chained with one wait: not
@@ -329,7 +329,7 @@ def test_gluon_gemm_is_warp_specialized_with_a_wait_a_step(monkeypatch):
     _skip_without_gluon_compiler(monkeypatch)
     import torch
 
-    from dtrain.lowp import int8_gemm_gluon as g
+    from dtrain.lowp.int8 import gluon_gemm as g
 
     a = torch.zeros(256, 256, dtype=torch.int8)
     b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it
@@ -350,7 +350,7 @@ def test_gluon_gemm_is_warp_specialized_with_a_wait_a_step(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypatch):
-    """The Gluon grouped GEMM (dtrain/lowp/int8_grouped_gluon.py) compiled for sm_90a as
+    """The Gluon grouped GEMM (dtrain/lowp/int8/grouped_gluon.py) compiled for sm_90a as
     training launches it, at each of its tiles: warp-specialized (setmaxnreg: two
     consumer warpgroups and a producer warp), int8 wgmma (s32 += s8 x s8) on TMA-loaded
     stages, and in the SASS each consumer's four wgmmas of a step chained and then waited for
@@ -362,7 +362,7 @@ def test_gluon_grouped_gemm_is_warp_specialized_with_its_wgmmas_chained(monkeypa
     _skip_without_gluon_compiler(monkeypatch)
     import torch
 
-    from dtrain.lowp import int8_grouped_gluon as gg
+    from dtrain.lowp.int8 import grouped_gluon as gg
 
     a = torch.zeros(256, 256, dtype=torch.int8)
     b = torch.zeros(256, 256, dtype=torch.int8).t()  # column-major, as training passes it

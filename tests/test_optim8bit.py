@@ -1,4 +1,4 @@
-"""dtrain's grouped step of torchao's AdamW8bit (dtrain/lowp/optim8bit.py): torchao's bits,
+"""dtrain's grouped step of torchao's AdamW8bit (dtrain/lowp/optim8bit/adamw.py): torchao's bits,
 torchao's state dict, few compiled calls."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dtrain.optim import set_lr
 torchao = pytest.importorskip("torchao")
 from torchao.optim import AdamW8bit  # noqa: E402
 
-from dtrain.lowp.optim8bit import build_adamw8bit, chunks_of_like_tensors  # noqa: E402
+from dtrain.lowp.optim8bit import build_adamw8bit  # noqa: E402
+from dtrain.lowp.optim8bit.adamw import chunks_of_like_tensors  # noqa: E402
 
 
 def _model(dtype=torch.float32) -> nn.Module:
@@ -229,7 +230,7 @@ print("RESULT", fused, worst, int(moved), max(codes), len(codes))
 
 
 def test_the_triton_kernel_steps_8bit_tensors_as_torchao_does():
-    """The CUDA kernel (dtrain/lowp/optim8bit_triton.py) run on CPU by Triton's interpreter,
+    """The CUDA kernel (dtrain/lowp/optim8bit/triton_step.py) run on CPU by Triton's interpreter,
     through an lr change and a state-dict swap with torchao's own step: it takes exactly the
     three fp32 matrices with 8-bit moments (the rest stay on the compiled path) and leaves the
     parameters and states torchao's to fp32 rounding."""
@@ -256,7 +257,7 @@ def test_the_triton_kernel_steps_8bit_tensors_as_torchao_does():
 
 def test_the_kernels_quantizer_gives_torchaos_codes():
     """The Triton kernel computes each code from its value where torchao searches the table
-    (optim8bit_triton.py `_code_guess`): the same codes, also with the guess one code off
+    (optim8bit/triton_step.py `_code_guess`): the same codes, also with the guess one code off
     either way, on the values tests/optim8bit_quantize_check.py lists (run in Triton's
     interpreter; tests/gpu runs it on CUDA)."""
     import subprocess
@@ -285,7 +286,7 @@ def test_the_kernel_takes_only_moments_in_torchaos_maps(monkeypatch):
     another map (a state built by hand) stays on the compiled step."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from dtrain.lowp.optim8bit import _state_parts, fused_kernel_takes
+    from dtrain.lowp.optim8bit.adamw import _state_parts, fused_kernel_takes
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     p = torch.zeros(4096)

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dtrain.config import OptimConfig, PrecisionConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
-from dtrain.lowp import int8 as i8
+from dtrain.lowp.int8 import linear as i8
 from dtrain.model import ModelConfig, build_model
 from dtrain.precision import (
     INT8_GRAD_WEIGHT_DEFAULT,
@@ -270,7 +270,7 @@ def test_long_reductions_are_chunked_without_int32_overflow(monkeypatch):
     a = torch.full((4, 96), 127, dtype=torch.int8)
     b = torch.full((8, 96), 127, dtype=torch.int8).t()
     exact = a.double() @ b.double()
-    from dtrain.lowp import int8_quant
+    from dtrain.lowp.int8 import quant as int8_quant
 
     monkeypatch.setattr(int8_quant, "MAX_REDUCTION", 32)
     assert torch.equal(i8.int_mm(a, b).double(), exact)
@@ -617,13 +617,13 @@ def test_fp16_steps_under_fsdp_with_two_ranks(tmp_path):
 
 def test_the_compiled_shard_cast_is_torchaos_cast_bit_for_bit():
     """fsdp's fp8 weight shards are cast after each step in one compiled call where the
-    blocks compile (lowp/fp8.cast_shards): the compiled graph (here Inductor's CPU code) gives
-    torchao's bits, as the eager cast does, saturating at fp8's largest value, and new scales
+    blocks compile (lowp/fp8/linear.cast_shards): the compiled graph (here Inductor's CPU code)
+    gives torchao's bits, as the eager cast does, saturating at fp8's largest value, and new scales
     reuse the graph."""
     pytest.importorskip("torchao")
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
-    from dtrain.lowp import fp8
+    from dtrain.lowp.fp8 import linear as fp8
 
     torch._dynamo.reset()
     fp8._compiled_cast_all = None

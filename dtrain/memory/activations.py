@@ -14,7 +14,7 @@ def uses_autocast(setup: MemorySetup) -> bool:
 
 def quantized_inputs(setup: MemorySetup) -> str:
     """'int8' or 'fp8' where the blocks' linears are swapped for quantized ones whose saved
-    inputs differ from F.linear's (dtrain/lowp/int8.py, torchao Float8Linear); else ''.
+    inputs differ from F.linear's (dtrain/lowp/int8/linear.py, torchao Float8Linear); else ''.
 
     int8-torchao saves its inputs in the compute dtype, as F.linear does: ''."""
     q = getattr(setup.precision, "quantize", "")

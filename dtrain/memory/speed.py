@@ -118,7 +118,7 @@ QUANT_SPEED = {
 }
 
 # precision.int8_grad_weight=int8_grouped: its grad-weight GEMM on Hopper is the warp-specialized
-# Gluon kernel (dtrain/lowp/int8_grouped_gluon.py), 1.47x cuBLAS's bf16 on model=1b's
+# Gluon kernel (dtrain/lowp/int8/grouped_gluon.py), 1.47x cuBLAS's bf16 on model=1b's
 # grad-weights weighted by how often a block runs each (four of q,o's shape, two of w1,w3's, one
 # of w2's; 1x H200, raw outputs of 2026-12-03: its default tile with
 # each group's scale-and-add one fused multiply-add): planned at the bf16 rate times that. Its
@@ -157,7 +157,7 @@ def fast_accum_factor(mode: str) -> float:
 
 
 # precision.fp8_scaling=delayed: the amax pass over each cast operand is fused into the kernel
-# that makes it (dtrain/lowp/fp8_delayed.py). One pass of three: 1b on one H200 is planned at
+# that makes it (dtrain/lowp/fp8/delayed.py). One pass of three: 1b on one H200 is planned at
 # 75.2k tokens/s (dynamic 70.8k), measured 74.2k and 75.0k in two runs (dynamic 70.9k beside the
 # first; raw outputs of 2026-11-30).
 DELAYED_SAVED_PASSES = 1.0

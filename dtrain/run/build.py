@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import TrainConfig, resolve_grad_accum
+from dtrain.config import PrecisionConfig, StrategyConfig, TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.memory import (
@@ -103,21 +103,10 @@ def build_run(
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
     cfg = resolved.cfg = with_init_from(cfg)
-    t = cfg.trainer
-    chosen = strategy_class(cfg.strategy.name)
-    sharded = chosen.shards_params(cfg.strategy.name)
-    precision = build_precision(cfg.precision, env.device, shards_params=sharded)
-    if note := fp8_scaling_note(cfg.precision, precision, sharded):
-        log.info("%s", note)
-    precision.apply_backend_flags(env.device)
-    # The strategy's refusals come before the data is built; the strategy itself is built once
-    # the memory plan has decided its auto options.
-    chosen.check_installed(cfg.strategy)
-    chosen.check_config(cfg.strategy, precision, env.device.type)
-    chosen.check_world(cfg.strategy, env.world_size)
+    precision = build_checked_precision(cfg.precision, cfg.strategy, env)
     data = build_data(
         cfg.data,
-        seq_len=t.seq_len,
+        seq_len=cfg.trainer.seq_len,
         seed=cfg.seed,
         device=env.device,
         is_main=env.is_main,
@@ -127,23 +116,10 @@ def build_run(
     strategy = build_strategy(cfg.strategy, precision, env)
     t = cfg.trainer
     accum = resolve_grad_accum(t, env.world_size)
-    ckpt = CheckpointManager(
-        cfg.run_dir, cfg.checkpoint, env.rank, env.world_size, timeout_s=t.collective_timeout_s
-    )
-    if on_exit is not None:  # however the run ends, no save is left writing behind it
-        on_exit.callback(ckpt.close)
-    resume = resume_point(cfg, env, ckpt)
+    ckpt, resume = open_checkpoints(cfg, env, on_exit)
     start_step = resume.step if resume is not None else 0
     guard = NonfiniteGuard(t.on_nonfinite, env.device, start_step=start_step)
-
-    ddist.seed_everything(cfg.seed)
-    strategy.configure(
-        micro_batch_size=t.micro_batch_size,
-        grad_accum_steps=accum,
-        grad_clip=t.grad_clip,
-        nonfinite=guard,
-    )
-    strategy.setup(cfg.model, cfg.optim, cfg.seed)
+    setup_strategy(strategy, cfg, grad_accum_steps=accum, nonfinite=guard)
     stream = BatchStream(
         data.train,
         micro_batch_size=t.micro_batch_size,
@@ -154,14 +130,7 @@ def build_run(
         device=env.device,
     )
     load_state(cfg, env, strategy, stream, ckpt, resume)
-    global_batch = t.micro_batch_size * accum * env.world_size
-    numbers = dict(
-        accum=accum,
-        global_batch=global_batch,
-        n_params=count_params(cfg.model),
-        flops_per_token=flops_per_token(cfg.model, t.seq_len),
-        peak=peak_flops(env.device, cfg.metrics),
-    )
+    numbers = run_numbers(cfg, env, grad_accum_steps=accum)
     reporters = start_reporting(cfg, env, strategy, precision, data, start_step, nodes, **numbers)
     return Run(
         cfg=cfg,
@@ -176,9 +145,68 @@ def build_run(
         resume=resume,
         start_step=start_step,
         end_step=min(t.max_steps, t.stop_at_step or t.max_steps),
-        tokens_per_step=global_batch * t.seq_len,
+        tokens_per_step=numbers["global_batch"] * t.seq_len,
         **reporters._asdict(),
         **numbers,
+    )
+
+
+def build_checked_precision(
+    precision_cfg: PrecisionConfig, strategy_cfg: StrategyConfig, env: ddist.DistEnv
+) -> Precision:
+    """The precision, built for the chosen strategy, then that strategy's refusals: all before
+    the data is built (the strategy itself is built once the memory plan has decided its auto
+    options)."""
+    chosen = strategy_class(strategy_cfg.name)
+    sharded = chosen.shards_params(strategy_cfg.name)
+    precision = build_precision(precision_cfg, env.device, shards_params=sharded)
+    if note := fp8_scaling_note(precision_cfg, precision, sharded):
+        log.info("%s", note)
+    precision.apply_backend_flags(env.device)
+    chosen.check_installed(strategy_cfg)
+    chosen.check_config(strategy_cfg, precision, env.device.type)
+    chosen.check_world(strategy_cfg, env.world_size)
+    return precision
+
+
+def open_checkpoints(
+    cfg: TrainConfig, env: ddist.DistEnv, on_exit: contextlib.ExitStack | None
+) -> tuple[CheckpointManager, ResumePoint | None]:
+    """The run's checkpoint manager (closed on exit) and the point it resumes from."""
+    ckpt = CheckpointManager(
+        cfg.run_dir,
+        cfg.checkpoint,
+        env.rank,
+        env.world_size,
+        timeout_s=cfg.trainer.collective_timeout_s,
+    )
+    if on_exit is not None:  # however the run ends, no save is left writing behind it
+        on_exit.callback(ckpt.close)
+    return ckpt, resume_point(cfg, env, ckpt)
+
+
+def setup_strategy(
+    strategy: Strategy, cfg: TrainConfig, *, grad_accum_steps: int, nonfinite: NonfiniteGuard
+) -> None:
+    """Seed every generator, then build the model and its optimizer inside the strategy."""
+    ddist.seed_everything(cfg.seed)
+    strategy.configure(
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        grad_clip=cfg.trainer.grad_clip,
+        nonfinite=nonfinite,
+    )
+    strategy.setup(cfg.model, cfg.optim, cfg.seed)
+
+
+def run_numbers(cfg: TrainConfig, env: ddist.DistEnv, *, grad_accum_steps: int) -> dict:
+    """The numbers derived from the config that the reporters and the loop share."""
+    return dict(
+        accum=grad_accum_steps,
+        global_batch=cfg.trainer.micro_batch_size * grad_accum_steps * env.world_size,
+        n_params=count_params(cfg.model),
+        flops_per_token=flops_per_token(cfg.model, cfg.trainer.seq_len),
+        peak=peak_flops(env.device, cfg.metrics),
     )
 
 

@@ -54,8 +54,8 @@ class DDPStrategy(Strategy):
         if compiled and self.compile_scope == "blocks":
             compile_blocks(module)
         if self.precision.fp8_scaling == "delayed":
-            # Each rank's own amaxes (lowp/fp8_delayed): not broadcast from rank 0 every forward.
-            from dtrain.lowp.fp8_delayed import state_buffer_names
+            # Each rank's own amaxes (lowp/fp8/delayed): not broadcast from rank 0 every forward.
+            from dtrain.lowp.fp8.delayed import state_buffer_names
 
             DDP._set_params_and_buffers_to_ignore_for_model(module, state_buffer_names(module))
         self._ddp = DDP(

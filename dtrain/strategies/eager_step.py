@@ -2,7 +2,7 @@
 
 fp8 delayed scaling's first step scales dynamically (no amax history yet): its graphs would be
 compiled for that one step only, which cost about as long again as the delayed graphs that
-every later step runs (dtrain/lowp/fp8_delayed.py). So that step runs eagerly
+every later step runs (dtrain/lowp/fp8/delayed.py). So that step runs eagerly
 (`torch.compiler.set_stance("force_eager")`).
 
 Eager, a step keeps what Inductor fuses away, and the caching allocator keeps what it reserved

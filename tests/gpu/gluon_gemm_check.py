@@ -1,4 +1,4 @@
-"""Runs the Gluon int8 GEMM (dtrain/lowp/int8_gemm_gluon.py) on this process's GPU against the
+"""Runs the Gluon int8 GEMM (dtrain/lowp/int8/gluon_gemm.py) on this process's GPU against the
 portable path (torch._int_mm, then the fp32 scales, then the cast), bit for bit, each shape,
 tile and output dtype several times, and int8_mm's dispatch to it; prints each failure and exits
 1 on any. A script, so tests/gpu/test_int8_kernels.py can run it under a timeout: a kernel that
@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from gluon_grouped_check import REPEATS, runs  # this directory: the script's own
 
-from dtrain.lowp import int8 as i8
+from dtrain.lowp.int8 import linear as i8
 
 # (M, N, K): edges in M and N, a K that is no multiple of the tile's (TMA's zeros past it), K
 # under one step, fewer tiles than SMs (a consumer with none), one tile; then 1b's and 8b's
@@ -45,8 +45,8 @@ def operands(m, n, k, seed=0):
 
 
 def main() -> int:
-    from dtrain.lowp import int8_gemm_gluon as gg  # Gluon: only where the check runs
-    from dtrain.lowp import int8_triton as it
+    from dtrain.lowp.int8 import gluon_gemm as gg  # Gluon: only where the check runs
+    from dtrain.lowp.int8 import triton_gemm as it
 
     failures = []
     for i, (m, n, k) in enumerate(SHAPES):

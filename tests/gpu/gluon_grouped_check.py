@@ -1,4 +1,4 @@
-"""Runs the Gluon grouped GEMM (dtrain/lowp/int8_grouped_gluon.py) on this process's GPU against
+"""Runs the Gluon grouped GEMM (dtrain/lowp/int8/grouped_gluon.py) on this process's GPU against
 the portable path, bit for bit, each shape and tile several times; prints each failure and
 exits 1 on any. A script, so tests/gpu/test_int8_kernels.py can run it under a timeout: a kernel
 that deadlocked on its mbarriers would otherwise hang the suite, with no Python left to stop it.
@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from dtrain.lowp import int8_grouped as ig
+from dtrain.lowp.int8 import grouped as ig
 
 # (N, M, K) of out (N, K) = gq (N, M) @ xq (M, K): edges everywhere, 1b's grad-weights, one
 # group, less than one (M, the reduction, a multiple of 16: rows TMA reads)
@@ -52,8 +52,8 @@ def runs(label, launch, want, shape, failures) -> None:
 
 
 def main() -> int:
-    from dtrain.lowp import int8_grouped_gluon as gg  # Gluon: only where the check runs
-    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp.int8 import grouped_gluon as gg  # Gluon: only where the check runs
+    from dtrain.lowp.int8 import grouped_triton as igt
 
     failures = []
     for n, m, k in SHAPES:

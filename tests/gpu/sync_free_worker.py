@@ -8,8 +8,8 @@ Two ranks, because the per-step stop vote (StopSignal.poll) only runs where ther
 one; the worker fails unless that vote ran under the strict mode.
 
 Under fsdp with fp8 it also counts, from optimizer step FROM_STEP + 1 on, the fp8 weight
-all-gathers and how many sent the shard cast right after the step (dtrain/lowp/fp8.py) instead
-of casting their own, and whether that cast ran compiled: "fp8 gathers N cached M compiled
+all-gathers and how many sent the shard cast right after the step (dtrain/lowp/fp8/linear.py)
+instead of casting their own, and whether that cast ran compiled: "fp8 gathers N cached M compiled
 0|1" on stdout.
 """
 
@@ -61,7 +61,7 @@ def main(overrides: list[str]) -> None:
     if not strict_votes:
         raise SystemExit("the stop vote never ran under the sync debug mode: nothing was tested")
     if fp8_gathers is not None:
-        from dtrain.lowp import fp8
+        from dtrain.lowp.fp8 import linear as fp8
 
         compiled = int(fp8._compiled_cast_all is not None)  # the shards' cast, compiled
         print("fp8 gathers", len(fp8_gathers), "cached", sum(fp8_gathers), "compiled", compiled)

@@ -1,8 +1,9 @@
 """On a CUDA device: the fp8 weight-gradient transposes run as their own op inside a compiled
-fp8 block (dtrain/lowp/fp8_layout.py) without changing what it computes beyond rounding, fsdp's
-fp8 weight shards are cast all at once in one compiled call, torchao's bits (dtrain/lowp/fp8.py),
-precision.fp8_lm_head and precision.fp8_fast_accum reach the fp8 GEMMs themselves, and the async
-checkpoints' host buffers are page-locked and staged into (dtrain/host_staging.py)."""
+fp8 block (dtrain/lowp/fp8/layout.py) without changing what it computes beyond rounding, fsdp's
+fp8 weight shards are cast all at once in one compiled call, torchao's bits
+(dtrain/lowp/fp8/linear.py), precision.fp8_lm_head and precision.fp8_fast_accum reach the fp8
+GEMMs themselves, and the async checkpoints' host buffers are page-locked and staged into
+(dtrain/host_staging.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_compiled_fp8_block_takes_the_transpose_op_on_cuda(monkeypatch):
     pytest.importorskip("torchao")
     import torch._inductor.config as inductor_config
 
-    from dtrain.lowp import fp8_layout
+    from dtrain.lowp.fp8 import layout as fp8_layout
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no fp8 tensor cores")
@@ -125,7 +126,7 @@ def test_weight_shards_are_cast_in_one_compiled_call_with_torchaos_bits():
     pytest.importorskip("torchao")
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
-    from dtrain.lowp import fp8
+    from dtrain.lowp.fp8 import linear as fp8
 
     torch._dynamo.reset()
     fp8._compiled_cast_all = None

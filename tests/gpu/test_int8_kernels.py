@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.lowp import int8 as i8
-from dtrain.lowp.options import Int8Options
+from dtrain.lowp.int8 import linear as i8
+from dtrain.lowp.int8.options import Int8Options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ LARGE = [(16384, 5632, 2048), (16384, 2048, 5632), (8192, 1024, 4096), (4096, 14
 
 @pytest.fixture(scope="module")
 def it():
-    from dtrain.lowp import int8_triton
+    from dtrain.lowp.int8 import triton_gemm as int8_triton
 
     assert not int8_triton.INTERPRET, "unset TRITON_INTERPRET for the GPU tests"
     return int8_triton
@@ -317,7 +317,7 @@ def test_compiled_training_steps_match_the_portable_path(quantize):
     torch.testing.assert_close(torch.tensor(loss_t), torch.tensor(loss_r), rtol=1e-2, atol=0)
 
 
-# --- the grouped grad-weight GEMM (dtrain/lowp/int8_grouped_triton.py) --------------------------
+# --- the grouped grad-weight GEMM (dtrain/lowp/int8/grouped_triton.py) --------------------------
 
 # (N, M, K) of dW = gq (N, M) @ xq (M, K): odd ones, then 1b's grad-weights at 16384 tokens.
 GROUPED = [(33, 300, 70), (1, 129, 1), (130, 1000, 72), (2048, 16384, 5632), (5632, 16384, 2048)]
@@ -335,8 +335,8 @@ def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k, choice):
     """Through int8_mm_grouped, on the Triton kernels (autotuned) and on the default (the Gluon
     kernel where it applies), against one torch._int_mm per group, scaled and added in fp32 as
     eager does (the kernels' multiply and add are rounded apart, no fused multiply-add)."""
-    from dtrain.lowp import int8_grouped as ig
-    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp.int8 import grouped as ig
+    from dtrain.lowp.int8 import grouped_triton as igt
 
     a, b, s = _grouped_operands(n, m, k)
     ref = ig.grouped_int_mm(a, s, b, torch.float32)
@@ -350,8 +350,8 @@ def test_grouped_gemm_is_the_portable_paths_bit_for_bit(it, n, m, k, choice):
 def test_every_grouped_tile_autotuning_may_choose_is_exact():
     """Each tile of the pointer kernel and of the TMA kernel (Hopper), edges in every
     dimension and a short last group."""
-    from dtrain.lowp import int8_grouped as ig
-    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp.int8 import grouped as ig
+    from dtrain.lowp.int8 import grouped_triton as igt
 
     n, m, k = 1024 + 48, 2048 + 64 + 16, 512 + 40
     a, b, s = _grouped_operands(n, m, k)
@@ -387,14 +387,14 @@ def _run_check(script: str, what: str, timeout: int) -> None:
 def _skip_without_gluon_hopper() -> None:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels' wgmma is Hopper's (sm_90)")
-    from dtrain.lowp.gluon_support import has_gluon_hopper
+    from dtrain.lowp.int8.gluon_support import has_gluon_hopper
 
     if not has_gluon_hopper():
         pytest.skip("this Triton has no Gluon for Hopper")
 
 
 def test_gluon_gemm_is_the_portable_paths_bit_for_bit():
-    """The warp-specialized Gluon GEMM (dtrain/lowp/int8_gemm_gluon.py; precision.int8_gemm=gluon)
+    """The warp-specialized Gluon GEMM (dtrain/lowp/int8/gluon_gemm.py; precision.int8_gemm=gluon)
     on Hopper at each tile and the tuned one, three times each, bf16 and fp32 out: edges in M, N
     and K, K under one step, fewer tiles than SMs, one tile, 1b's and 8b's GEMMs (every element
     stored: none left NaN); and int8_mm taking it for scaled products and the TMA kernel for the
@@ -404,7 +404,7 @@ def test_gluon_gemm_is_the_portable_paths_bit_for_bit():
 
 
 def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
-    """The Gluon kernel (dtrain/lowp/int8_grouped_gluon.py; the default where it applies) on
+    """The Gluon kernel (dtrain/lowp/int8/grouped_gluon.py; the default where it applies) on
     Hopper at each of its tiles, three times each: edges in every dimension, a short last
     group, one group, less than one, and 1b's grad-weights (every tile stored: none left NaN);
     and int8_mm_grouped taking it by default and when chosen. In a subprocess under a timeout
@@ -418,8 +418,8 @@ def test_gluon_grouped_gemm_is_the_portable_paths_bit_for_bit():
 def test_grouped_quantize_kernel_is_the_torch_ops_bit_for_bit(m, n):
     """Autotuned and in every tile, on bf16 output gradients with a loud token, against the
     eager torch ops (their IEEE division: the kernel divides with div_rn)."""
-    from dtrain.lowp import int8_grouped as ig
-    from dtrain.lowp import int8_grouped_triton as igt
+    from dtrain.lowp.int8 import grouped as ig
+    from dtrain.lowp.int8 import grouped_triton as igt
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()

@@ -57,7 +57,7 @@ def test_grouped_step_matches_torchaos_compiled_step():
         if hasattr(opt.state[a]["exp_avg"], "codes")
     ]
     assert codes
-    # Every fp32 tensor with 8-bit moments took the Triton kernel (optim8bit_triton.py).
+    # Every fp32 tensor with 8-bit moments took the Triton kernel (optim8bit/triton_step.py).
     assert sum(len(fused) for fused, _ in opt._chunks.values()) == len(codes)
     for x, y in codes:  # a code may round to its neighbour where fp32 differs in its last bit
         off = (x.int() - y.int()).abs()

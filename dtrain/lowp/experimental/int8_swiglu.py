@@ -1,5 +1,5 @@
 """precision=int8's SwiGLU as one autograd function (precision.int8_swiglu=fused; not a default):
-w2(silu(w1 x) * w3 x) with the three int8 linears' matmuls (dtrain/lowp/int8.py), the gate's
+w2(silu(w1 x) * w3 x) with the three int8 linears' matmuls (dtrain/lowp/int8/linear.py), the gate's
 product and w2's input quantize in one kernel, and the gate's backward with w1's and w3's
 output-gradient quantizes in one kernel (int8_swiglu_triton.py beside this file, on the
 Triton kernels; eager torch ops otherwise).
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.lowp import int8 as i8
 from dtrain.lowp.dispatch import register
+from dtrain.lowp.int8 import linear as i8
 
 
 def _triton_swiglu():

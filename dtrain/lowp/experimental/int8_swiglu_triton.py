@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.int8_triton import (
+from dtrain.lowp.int8.triton_gemm import (
     INV_QMAX,
     chosen_configs,
     launch_rows,
@@ -131,7 +131,7 @@ def _swiglu_quantize_kernel(
         tl.store(scale_ptr + offs_r, scale, mask=r_ok)
         _store_codes(q_ptr, h, scale, rows, offs_c, ok, C)
     else:
-        # abs-maxes per thread, reduced once after the sweep, as int8_triton's quantize's
+        # abs-maxes per thread, reduced once after the sweep, as triton_gemm's quantize's
         amax = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         for c0 in range(0, C, SWEEP_C):
             offs_c = c0 + tl.arange(0, SWEEP_C)
@@ -199,7 +199,7 @@ def _swiglu_backward_quantize_kernel(
         scale_b = row_scales(_abs_max(gb))
         scale_h = row_scales(_abs_max(h))
     else:
-        # abs-maxes per thread, reduced once after the sweep, as int8_triton's quantize's
+        # abs-maxes per thread, reduced once after the sweep, as triton_gemm's quantize's
         amax_a = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         amax_b = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
         amax_h = tl.zeros((BLOCK_R, SWEEP_C), dtype=tl.float32)
@@ -263,7 +263,7 @@ _TILES = [
     (False, 1, 512, 4),
 ]
 _CONFIGS = row_tile_configs(_TILES)
-# One pass only for rows up to ONE_PASS_MAX (int8_triton.prune_row_tiles says why the bound).
+# One pass only for rows up to ONE_PASS_MAX (triton_gemm.prune_row_tiles says why the bound).
 _swiglu_quantize_tuned = tuned_rows(_swiglu_quantize_kernel, _CONFIGS, ["R", "C"])
 _swiglu_backward_quantize_tuned = tuned_rows(_swiglu_backward_quantize_kernel, _CONFIGS, ["R", "C"])
 

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.kernel_common import bench_or_skip, median_ms, tma_ok  # noqa: F401 - shared
+from dtrain.lowp.int8.kernel_common import bench_or_skip, median_ms, tma_ok  # noqa: F401 - shared
 
 try:  # Triton >= 3.0 dispatches libdevice per backend here
     from triton.language.extra import libdevice
@@ -88,7 +88,7 @@ _GROUP_M = 8
 # Which GEMM kernel int8_mm runs on large problems on a GPU: "tma" (the persistent kernel with
 # TMA loads, the default: 1.03-1.28x the pointer kernel on the nine 1b shapes, 0.95-1.35x on
 # the twelve 8b ones, on an H200: raw outputs of 2026-12-01), "pointer" (tiles
-# loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8_gemm_gluon.py:
+# loaded through pointers, one program per tile) or "gluon" (dtrain/lowp/int8/gluon_gemm.py:
 # persistent and warp-specialized, one warpgroup's epilogue beside the other's MMAs, where it
 # applies: Hopper, both scales, operands TMA reads; "tma" elsewhere) or "fastest" (per
 # problem the faster of "gluon" and "tma", timed once where the Gluon kernel applies: the Gluon
@@ -452,15 +452,15 @@ def takes_tma(a, b) -> bool:
 
 def _takes_gluon(a, b, a_scale, b_scale, out_dtype) -> bool:
     """Whether int8_mm may run the Gluon kernel: GEMM says "gluon" or "fastest", a large
-    problem, and it applies (int8_gemm_gluon.applies: Hopper with Gluon, both scales, operands
+    problem, and it applies (gluon_gemm.applies: Hopper with Gluon, both scales, operands
     TMA reads)."""
     if GEMM not in ("gluon", "fastest") or not a.is_cuda:
         return False
     if a.shape[0] * b.shape[1] * a.shape[1] < _SMALL_WORK:
         return False
-    from dtrain.lowp import int8_gemm_gluon
+    from dtrain.lowp.int8 import gluon_gemm
 
-    return int8_gemm_gluon.applies(a, b, a_scale, b_scale, out_dtype)
+    return gluon_gemm.applies(a, b, a_scale, b_scale, out_dtype)
 
 
 # GEMM="fastest": (M, K, N, out dtype, device) -> whether the Gluon kernel was the faster
@@ -472,12 +472,12 @@ def _gluon_is_faster(a, b, a_scale, b_scale, out) -> bool:
     problem, timed once per process with autotuning's timer after each has chosen its tile.
     Both compute integer sums and the same epilogue, so timing into `out` is harmless and the
     choice changes no bit."""
-    from dtrain.lowp import int8_gemm_gluon
+    from dtrain.lowp.int8 import gluon_gemm
 
     key = (*a.shape, b.shape[1], out.dtype, a.device)
     if key not in _GLUON_FASTER:
         tma = partial(_launch_int8_mm_tma, a, b, out, a_scale, b_scale)
-        gluon = partial(int8_gemm_gluon.launch, a, b, a_scale, b_scale, out)
+        gluon = partial(gluon_gemm.launch, a, b, a_scale, b_scale, out)
         tma(), gluon()  # each tunes its tile first, outside the timing
         _GLUON_FASTER[key] = median_ms(gluon) < median_ms(tma)
     return _GLUON_FASTER[key]
@@ -568,9 +568,9 @@ def int8_mm(a, b, a_scale, b_scale, out_dtype):
     if _takes_gluon(a, b, sa, sb, out_dtype) and (
         GEMM == "gluon" or _gluon_is_faster(a, b, sa, sb, out)
     ):
-        from dtrain.lowp import int8_gemm_gluon  # Gluon: imported only where it runs
+        from dtrain.lowp.int8 import gluon_gemm  # Gluon: imported only where it runs
 
-        int8_gemm_gluon.launch(a, b, sa, sb, out)
+        gluon_gemm.launch(a, b, sa, sb, out)
     elif takes_tma(a, b):
         _launch_int8_mm_tma(a, b, out, sa, sb)
     else:

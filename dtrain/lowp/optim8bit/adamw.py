@@ -4,7 +4,7 @@ not). Tensors under 4096 elements keep fp32 moments (torchao's rule: too small t
 
 dtrain steps it in a few compiled calls instead of torchao's one per tensor (GroupedAdamW8bit):
 the same states, arithmetic and checkpoints, less host time. On CUDA each fp32 parameter whose
-two moments are 8-bit is stepped by one Triton kernel instead (dtrain/lowp/optim8bit_triton.py:
+two moments are 8-bit is stepped by one Triton kernel instead (dtrain/lowp/optim8bit/triton_step.py:
 the blocks in registers, 16 bytes moved a parameter against Inductor's 32; at 8b's shapes
 32.1 ms a step against the compiled path's 41.3 ms, docs/benchmarks.md)."""
 
@@ -202,7 +202,7 @@ def grouped_adamw8bit_class() -> type:
         "Precision"). Here the DTensors and torchao's 8-bit states are unwrapped to their plain
         tensors first, and each group of tensors of one shape (chunks_of_like_tensors) is updated by
         one compiled call; on CUDA each fp32 tensor whose moments are both 8-bit is stepped by one
-        Triton kernel instead (fused_kernel_takes, optim8bit_triton.py). The states, the arithmetic
+        Triton kernel instead (fused_kernel_takes, triton_step.py). The states, the arithmetic
         (torchao's own functions, op for op) and the state dict are torchao's, so checkpoints move
         between the two.
         """
@@ -286,7 +286,7 @@ def _step_group(opt, g: int, group) -> None:
         opt._chunks[key] = _group_plan(items)
     fused, chunks = opt._chunks[key]
     if fused:
-        from dtrain.lowp.optim8bit_triton import adamw8bit_step
+        from dtrain.lowp.optim8bit.triton_step import adamw8bit_step
 
         lr = float(group["lr"])  # torchao keeps lr a CPU tensor: read without a sync
         for k in fused:

@@ -4,7 +4,7 @@ Tensorwise scales (one per tensor; under FSDP2 the weights are all-gathered alre
 halving that traffic) or rowwise scales (one per row: more accurate, a little slower). Dynamic
 scales; e4m3 inputs and weights, gradients e5m2 (tensorwise) or e4m3 (rowwise), as torchao's
 recipes define them. Under torch.compile the transposed copies the weight-gradient GEMMs read
-get a kernel of their own (dtrain/lowp/fp8_layout.py): at 8b under fsdp 1.227x bf16's tokens/s
+get a kernel of their own (dtrain/lowp/fp8/layout.py): at 8b under fsdp 1.227x bf16's tokens/s
 against 1.156x with them left to Inductor's fusion (docs/benchmarks.md).
 On hardware without fp8 tensor cores torchao can emulate the casts (`emulate=True`): the
 numerics of fp8, the speed of nothing; for tests.
@@ -20,7 +20,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.hardware import fp8_gemm_dims_ok
-from dtrain.lowp.fp8_layout import install_transposes_apart, install_weight_transposes_in_backward
+from dtrain.lowp.fp8.layout import install_transposes_apart, install_weight_transposes_in_backward
 
 
 def fp8_shape_ok(module: nn.Module) -> bool:
@@ -46,7 +46,7 @@ def apply_fp8(
     one over a layer's width, so that one loses the least: it trained at bf16's loss in every
     run measured, the grad-weight one did not (docs/precision.md: loss and speed of each).
     `scaling="delayed"`: inputs and output gradients cast with scales from the last
-    `amax_history` steps' amaxes (dtrain/lowp/fp8_delayed.py)."""
+    `amax_history` steps' amaxes (dtrain/lowp/fp8/delayed.py)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -74,7 +74,7 @@ def apply_fp8(
 
     convert_to_float8_training(module, config=config, module_filter_fn=keep)
     if scaling == "delayed":
-        from dtrain.lowp.fp8_delayed import install_delayed_scaling
+        from dtrain.lowp.fp8.delayed import install_delayed_scaling
 
         install_delayed_scaling(module, amax_history)
     install_transposes_apart()

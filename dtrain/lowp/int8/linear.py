@@ -28,7 +28,7 @@ models") grad_weight instead runs in the compute dtype from the same saved int8 
 
 so nothing more is saved (memory is unchanged), dy is not quantized for it, and forward and
 grad_input stay int8: two int8 matmuls per linear instead of three. `grad_weight="int8_grouped"`
-(dtrain/lowp/int8_grouped.py) keeps it in int8 with (dy * sx) scaled per output channel per
+(dtrain/lowp/int8/grouped.py) keeps it in int8 with (dy * sx) scaled per output channel per
 128 tokens instead of over all of them.
 
 Operand layouts follow what int8 GEMMs want (cuBLASLt's "TN": first operand row-major, second
@@ -39,7 +39,7 @@ quantize is a row reduction plus a pointwise op, which torch.compile fuses into 
 Two sets of kernels run these matmuls (`select_kernel`, chosen once per process when the layers
 are swapped and logged in one line):
 
-    "triton"  dtrain/lowp/int8_triton.py, on CUDA GPUs of compute capability 9.0+ (Hopper) with
+    "triton"  dtrain/lowp/int8/triton_gemm.py, on CUDA GPUs of compute capability 9.0+ (Hopper) with
               Triton installed: int8 wgmma GEMMs with the dequantization (the outer product of
               the scales and the cast) fused into their epilogue, and, outside torch.compile,
               a fused quantize kernel. Under torch.compile the output gradients' quantizes
@@ -68,7 +68,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from dtrain.lowp.int8_quant import (  # noqa: F401 - the layer's arithmetic, named here too
+from dtrain.lowp.int8.options import Int8Options
+from dtrain.lowp.int8.quant import (  # noqa: F401 - the layer's arithmetic, named here too
     INV_QMAX,
     MAX_REDUCTION,
     QMAX,
@@ -79,14 +80,13 @@ from dtrain.lowp.int8_quant import (  # noqa: F401 - the layer's arithmetic, nam
     scaled_int_mm,
     triton_applies,
 )
-from dtrain.lowp.options import Int8Options
 
 log = logging.getLogger("dtrain")
 DEFAULT_OPTIONS = Int8Options()
 
 # How grad_weight is computed: "int8" (torch._int_mm, like forward and grad_input), "bf16"
 # (SwitchBack: a matmul in the compute dtype from the dequantized int8 input) or "int8_grouped"
-# (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8_grouped.py).
+# (int8 with one scale per output channel per 128 tokens: dtrain/lowp/int8/grouped.py).
 GRAD_WEIGHT_MODES = ("int8", "bf16", "int8_grouped")
 # Which kernels run the int8 matmuls: "triton" (Hopper wgmma, dequantization fused) or "torch"
 # (torch._int_mm, portable). precision.int8_kernel=auto|triton|torch overrides the choice.
@@ -158,9 +158,9 @@ def _default_device(module: nn.Module) -> torch.device:
 
 
 def _triton_ops():
-    from dtrain.lowp import int8_triton  # registers torch.ops.dtrain.*; imports triton
+    from dtrain.lowp.int8 import triton_gemm  # registers torch.ops.dtrain.*; imports triton
 
-    return int8_triton
+    return triton_gemm
 
 
 def _quantize(
@@ -225,7 +225,7 @@ def mm_grad_weight(
     output channel per 128 tokens ("int8_grouped"), or SwitchBack's compute-dtype matmul from
     the dequantized input ("bf16"; `x_deq` if given)."""
     if mode == "int8_grouped":
-        from dtrain.lowp.int8_grouped import grad_weight_grouped
+        from dtrain.lowp.int8.grouped import grad_weight_grouped
 
         return grad_weight_grouped(g, xq, xs, weight_dtype, kernel, apart_g)
     if mode == "int8":
@@ -312,7 +312,7 @@ def int8_linear(
     `grad_weight`: "int8" (all three matmuls int8), "int8_grouped" (the same, grad_weight's
     output gradients scaled per 128 tokens) or "bf16" (SwitchBack: grad_weight in the compute
     dtype from the saved int8 input). `kernel`: "torch" (torch._int_mm) or "triton"
-    (dtrain/lowp/int8_triton.py; CUDA tensors only, others take torch._int_mm). `quantize`:
+    (dtrain/lowp/int8/triton_gemm.py; CUDA tensors only, others take torch._int_mm). `quantize`:
     under torch.compile with "triton", "fused" into the producer, "apart", or apart for the
     output gradients only ("gradients"; QUANTIZE_MODES).
     """
@@ -411,9 +411,9 @@ def _setup_triton(grad_weight: str, options: Int8Options) -> None:
     ops = _triton_ops()
     ops.configure(gemm=options.gemm, quantize_tiles=options.quantize_tiles)
     if grad_weight == "int8_grouped":
-        from dtrain.lowp import int8_grouped_triton
+        from dtrain.lowp.int8 import grouped_triton
 
-        int8_grouped_triton.configure(options.grouped_gemm)
+        grouped_triton.configure(options.grouped_gemm)
     if options.gemm in _GEMM_LINES:
         log.info("int8 GEMMs: %s (precision.int8_gemm)", _GEMM_LINES[options.gemm])
     if options.quantize_tiles != "tuned":

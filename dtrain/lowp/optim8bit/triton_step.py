@@ -1,4 +1,4 @@
-"""torchao's AdamW8bit step for one tensor in one Triton kernel (dtrain/lowp/optim8bit.py
+"""torchao's AdamW8bit step for one tensor in one Triton kernel (dtrain/lowp/optim8bit/adamw.py
 takes it on CUDA for fp32 parameters whose two moments are both 8-bit).
 
 Why by hand: Inductor compiles torchao's arithmetic for one tensor into a reduction kernel

@@ -1,4 +1,4 @@
-"""The Triton kernels of precision=int8's grouped grad-weight (dtrain/lowp/int8_grouped.py): its
+"""The Triton kernels of precision=int8's grouped grad-weight (dtrain/lowp/int8/grouped.py): its
 GEMM, and the quantize of its output gradient.
 
     int8_mm_grouped(a, b, a_scale, out_dtype)
@@ -19,10 +19,10 @@ GEMM, and the quantize of its output gradient.
 
 Tiles: BLOCK_K is the group (128). The two accumulators (int32 per group, fp32 across them)
 take BLOCK_M * BLOCK_N / (16 * num_warps) registers a thread, so the tiles are at most 128 x 128
-at 8 warps (int8_triton's 128 x 256 would need 256). Two GEMM kernels, as int8_triton has: one
+at 8 warps (triton_gemm's 128 x 256 would need 256). Two GEMM kernels, as triton_gemm has: one
 loads through pointers (rows past an edge wrap around inside the tensor, their results not
 stored; the last group masked with zeros, which add nothing), the other is persistent with TMA
-loads (zeros past the edges), taken where int8_triton's TMA GEMM is. With TRITON_INTERPRET=1
+loads (zeros past the edges), taken where triton_gemm's TMA GEMM is. With TRITON_INTERPRET=1
 the pointer kernel and the quantize run on CPU tensors in Triton's interpreter, one small
 configuration (CPU tests: tests/int8_triton_interp.py).
 """
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dtrain.lowp.gluon_support import has_gluon_hopper
-from dtrain.lowp.int8_quant import GROUP, group_count
-from dtrain.lowp.int8_triton import (
+from dtrain.lowp.int8.gluon_support import has_gluon_hopper
+from dtrain.lowp.int8.quant import GROUP, group_count
+from dtrain.lowp.int8.triton_gemm import (
     INTERPRET,
     TUNE_KWARGS,
     chosen_configs,
@@ -153,9 +153,9 @@ _tuned = triton.autotune(
 
 # --- the same GEMM, persistent with TMA loads (Hopper) -------------------------------------------
 
-# As int8_triton's TMA GEMM: one program per SM walks the output tiles in grouped order, the
+# As triton_gemm's TMA GEMM: one program per SM walks the output tiles in grouped order, the
 # operand tiles come in through Hopper's tensor memory accelerator (zeros past the edges, so a
-# short last group needs no mask). Taken where int8_triton's is (`takes_tma`: a large problem,
+# short last group needs no mask). Taken where triton_gemm's is (`takes_tma`: a large problem,
 # operands TMA can read, precision.int8_gemm=tma); the pointer kernel above everywhere else.
 _TMA_CONFIGS = [gemm_config(*t, pre_hook=tma_pre_hook) for t in _TILES]
 
@@ -351,7 +351,7 @@ def _(g, token_scale):
     )
 
 
-# Which kernel runs the grouped GEMM on Hopper: the Gluon one (dtrain/lowp/int8_grouped_gluon.py)
+# Which kernel runs the grouped GEMM on Hopper: the Gluon one (dtrain/lowp/int8/grouped_gluon.py)
 # where this Triton has Gluon for Hopper ("auto", the default) or always ("gluon"), or the Triton
 # ones above ("triton"): precision.int8_grouped_gemm, set where the layers are swapped.
 GROUPED_GEMM = "auto"
@@ -422,9 +422,9 @@ def int8_mm_grouped(a, b, a_scale, out_dtype):
     if a.shape[1] == 0:
         return out.zero_()
     if _takes_gluon(a, b):
-        from dtrain.lowp import int8_grouped_gluon  # Gluon: imported only where it runs
+        from dtrain.lowp.int8 import grouped_gluon  # Gluon: imported only where it runs
 
-        int8_grouped_gluon.launch(a, b, a_scale, out)
+        grouped_gluon.launch(a, b, a_scale, out)
     elif takes_tma(a, b):
         launch_tma(a, b, a_scale, out)
     else:

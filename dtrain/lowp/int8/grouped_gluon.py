@@ -2,7 +2,7 @@
 runs while the other's MMA does.
 
     launch(a, b, a_scale, out): the Triton kernels' computation and bits (dtrain/lowp/
-    int8_grouped_triton.py: a (M, K) int8 row-major, b (K, N) int8 column-major, a_scale
+    int8/grouped_triton.py: a (M, K) int8 row-major, b (K, N) int8 column-major, a_scale
     (M, groups) fp32; out (M, N) = the sum over the groups j, in order, of
     float32(a[:, j] @ b[j]) * a_scale[:, j], each group's scale-and-add one fused
     multiply-add in fp32), for operands TMA can read.
@@ -38,7 +38,7 @@ behind two others' MMAs) were slower at every grad-weight (1b w1 0.441 ms agains
 promotion is bound by issuing instructions, not by its latency or cvt's rate. Compiled for
 sm_90a on CPU in tests/test_int8_triton.py (Triton 3.6, which torch 2.11 ships, and 3.9): wgmmas
 chained four to a wait in each consumer, nothing spilled. It runs wherever it applies
-(int8_grouped_triton.gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
+(grouped_triton.gluon_applies: Hopper, operands TMA reads, a Triton with Gluon for
 Hopper), unless precision.int8_grouped_gemm=triton.
 """
 
@@ -55,8 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dtrain.lowp.int8_gemm_gluon import k_major_descriptors
-from dtrain.lowp.int8_quant import GROUP
+from dtrain.lowp.int8.gluon_gemm import k_major_descriptors
+from dtrain.lowp.int8.quant import GROUP
 
 # Gluon is experimental and renames: Triton 3.6 has tma.async_copy_global_to_shared, Triton 3.9
 # async_load (where the old name raises).
@@ -86,7 +86,7 @@ _CONSUMERS = gl.constexpr(2)  # warpgroups of 64 rows each, taking turns
 def _promote_add(acc, part, s):
     # acc + float32(part) * s as one fused multiply-add, rounded once to nearest with no flush
     # to zero: the bits of the portable path (int8_grouped.grouped_int_mm, on fma_f32) and of
-    # the Triton kernels (int8_grouped_triton._scaled_add). PTX's explicit form: the compiler
+    # the Triton kernels (grouped_triton._scaled_add). PTX's explicit form: the compiler
     # neither splits it nor flushes it.
     return gl.inline_asm_elementwise(
         "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [part.to(gl.float32), s, acc],
@@ -209,7 +209,7 @@ def _int8_mm_grouped_kernel(
     gl.static_assert(BLOCK_M == _CONSUMERS * _ROWS, "64 rows a consumer")
     gl.static_assert(a_desc.block_type.shape[1] == _GROUP, "each K step one group")
 
-    # the output tile, grouped in GROUP_M rows of tiles (int8_triton.grouped_tile's order)
+    # the output tile, grouped in GROUP_M rows of tiles (triton_gemm.grouped_tile's order)
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)
@@ -257,7 +257,7 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int):
 def launch(a, b, a_scale, out, tile: tuple = TILES[0]) -> None:
     """The grouped GEMM into `out` with `tile` = (BLOCK_M, BLOCK_N, NUM_BUFFERS)."""
     if tuple(tile) not in TILES:  # each compiled without spills in the compile test
-        raise ValueError(f"int8_grouped_gluon.launch: tile {tile} is not one of {TILES}")
+        raise ValueError(f"grouped_gluon.launch: tile {tile} is not one of {TILES}")
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, buffers = tile

@@ -2,7 +2,7 @@
 (`precision.int8_grad_weight=int8_grouped`).
 
 dW = dy^T x sums over the tokens. The saved input is int8 with one scale per token (sx), which
-dtrain/lowp/int8.py folds into dy, so the saved codes are used as they are:
+dtrain/lowp/int8/linear.py folds into dy, so the saved codes are used as they are:
 
     dW[n, k] = sum_m (dy[m, n] sx[m]) xq[m, k]
 
@@ -26,7 +26,7 @@ column-major (both operands K-major, what Hopper's int8 wgmma reads), so xq is t
 per layer, as in the "int8" mode.
 
 Two implementations, the same numbers (the same fp32 operations in the same order):
-dtrain/lowp/int8_grouped_triton.py (Triton kernels: the GEMM with the promotion in its K loop,
+dtrain/lowp/int8/grouped_triton.py (Triton kernels: the GEMM with the promotion in its K loop,
 on Hopper, and the quantize in one pass) and the torch ops here (`quantize_groups`, and
 `grouped_int_mm`: one torch._int_mm per group, portable, slow on long reductions; CPU tests and
 GPUs without the Triton kernels). Under torch.compile the quantize is the Triton op where
@@ -37,7 +37,7 @@ which Inductor fuses; run eagerly, the torch ops make full-size fp32 temporaries
 Speed, measured (1x H200, raw outputs of 2026-12-03, with the fused multiply-add): the
 Triton GEMM runs at 0.98-1.18x cuBLAS's bf16 on 1b's and 8b's grad-weights, since each group's
 promotion waits for its wgmma and the next wgmma for the promotion. On Hopper the Gluon GEMM
-(dtrain/lowp/int8_grouped_gluon.py), two warpgroups taking turns, runs at 1.47x over 1b's block,
+(dtrain/lowp/int8/grouped_gluon.py), two warpgroups taking turns, runs at 1.47x over 1b's block,
 and the mode at 1.107x bf16 in training against the default's 1.087x: the GEMM saves about 15 ms
 a step, the group quantize of dy spends 14 of them again. It stays an option, not the default,
 for its loss at 350m (+4.0% and +2.5% on one seed of two; docs/precision.md).
@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtrain.lowp.int8_quant import (  # noqa: F401 - GROUP and group_count named here too
+from dtrain.lowp.int8.quant import (  # noqa: F401 - GROUP and group_count named here too
     GROUP,
     INV_QMAX,
     codes,
@@ -119,7 +119,7 @@ def grad_weight_grouped(
     xq_colmajor = xq.t().contiguous().t()  # (M, K) column-major: K-major for the GEMM
     if not (kernel == "triton" and triton_applies(g)):
         return grouped_int_mm(*quantize_groups(g, xs), xq_colmajor, weight_dtype)
-    from dtrain.lowp import int8_grouped_triton as igt  # registers the dtrain:: ops
+    from dtrain.lowp.int8 import grouped_triton as igt  # registers the dtrain:: ops
 
     if apart or not torch.compiler.is_compiling():
         gq, gs = igt.quantize_groups_op(g, xs)  # (N, M), (N, groups)

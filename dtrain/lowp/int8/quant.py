@@ -1,6 +1,6 @@
 """precision=int8's arithmetic that every int8 module shares: the symmetric row-wise quantize,
 the int8 matmul through torch._int_mm and its dequantization, the grouped scales' group size.
-dtrain/lowp/int8.py's docstring says how the layer uses them."""
+dtrain/lowp/int8/linear.py's docstring says how the layer uses them."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def group_count(tokens: int) -> int:
 def codes(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 values over their scales (broadcast) -> int8: v times the scale's reciprocal (an
     IEEE division a scale, not a value), rounded half to even, clamped to [-127, 127]. The
-    kernels compute the same bits (int8_triton.quantize_values). A multiply, not v / scale:
+    kernels compute the same bits (triton_gemm.quantize_values). A multiply, not v / scale:
     an IEEE division a value bounded the Triton quantizes on an H200 (a tile kernel quantizing
     1b's 16,384 x 5,632 output gradient both ways: 0.379 ms with it, 0.152 with the multiply;
     the row-wise op now runs at a plain copy's speed, 0.074 ms against 0.071:

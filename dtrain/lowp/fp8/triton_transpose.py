@@ -1,4 +1,4 @@
-"""A Triton kernel for dtrain::fp8_transpose (dtrain/lowp/fp8_layout.py): a 2-D transpose of a
+"""A Triton kernel for dtrain::fp8_transpose (dtrain/lowp/fp8/layout.py): a 2-D transpose of a
 1-byte tensor, tile by tile, so both the reads and the writes are coalesced.
 
 Imported only on CUDA (Triton comes with torch's CUDA wheels). With TRITON_INTERPRET=1 it runs

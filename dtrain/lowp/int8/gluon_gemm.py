@@ -1,15 +1,15 @@
 """precision=int8's forward and grad-input GEMM for Hopper in Gluon: persistent and
 warp-specialized, so that one warpgroup's epilogue runs while the other's MMAs do.
 
-    launch(a, b, a_scale, b_scale, out, tile=None): int8_triton.int8_mm's computation and bits,
+    launch(a, b, a_scale, b_scale, out, tile=None): triton_gemm.int8_mm's computation and bits,
     a (M, K) int8 row-major, b (K, N) int8 column-major (both K-major, as int8 wgmma reads
     them), a_scale (M,) and b_scale (N,) fp32, into out (M, N) of a float dtype:
         out = float32(a @ b) * a_scale[:, None] * b_scale[None, :]
     the int32 sum exact, then the two fp32 multiplies in that order and one cast, as eager's
     `torch._int_mm(a, b) * sa * sb` rounds them. Where it applies (`applies`: Hopper, operands
-    TMA reads, both scales); int8_triton.int8_mm runs the Triton kernels elsewhere.
+    TMA reads, both scales); triton_gemm.int8_mm runs the Triton kernels elsewhere.
 
-Why: the Triton persistent TMA kernel (int8_triton._int8_mm_tma_kernel) runs at about 60% of
+Why: the Triton persistent TMA kernel (triton_gemm._int8_mm_tma_kernel) runs at about 60% of
 the int8 peak on 1b's shapes (1,170-1,220 TOP/s of 1,979 in raw outputs of 2026-12-02)
 where cuBLAS runs bf16 at 62% and its fp8 GEMM 5-12% faster than it. Its eight warps compute
 one tile together: at the end of each tile they all stop issuing MMAs to convert, scale and
@@ -71,7 +71,7 @@ _CONSUMERS = gl.constexpr(2)
 def _tile_offsets(
     tile_id, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr
 ):
-    """(off_m, off_n) of the tile_id-th tile in grouped order (int8_triton.grouped_tile's)."""
+    """(off_m, off_n) of the tile_id-th tile in grouped order (triton_gemm.grouped_tile's)."""
     num_pid_m = gl.cdiv(M, BLOCK_M)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)
     first_m = (tile_id // width) * GROUP_M
@@ -171,7 +171,7 @@ def _dequantize_store(
     acc, c_ptr, a_scale_ptr, b_scale_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
     mma: gl.constexpr,
 ):  # fmt: skip
-    """int8_triton.dequantize_store's epilogue: (float(acc) * sa) * sb, cast, the rows and
+    """triton_gemm.dequantize_store's epilogue: (float(acc) * sa) * sb, cast, the rows and
     columns inside (M, N) stored. 32-bit offsets: `applies` takes outputs under 2**31 values
     (64-bit ones cost the consumer a stack frame in ptxas)."""
     rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, mma))
@@ -241,7 +241,7 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, tile: tuple):
 def k_major_descriptors(a: torch.Tensor, b: torch.Tensor, block_m, block_n, block_k):
     """TMA descriptors of a (M, K) row-major and of b (K, N) column-major read as (N, K)
     row-major, boxes (block_m, block_k) and (block_n, block_k): both K-major, as int8 wgmma
-    reads them (also int8_grouped_gluon's)."""
+    reads them (also grouped_gluon's)."""
     bt = b.t()
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.int8)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
@@ -255,8 +255,8 @@ def applies(a, b, a_scale, b_scale, out_dtype) -> bool:
     none) with Gluon for it, operands TMA reads, both scales (training's forward and
     grad-input GEMMs; the unscaled integer product takes the Triton kernels), a float output of
     under 2**31 values (the epilogue's 32-bit offsets)."""
-    from dtrain.lowp.gluon_support import has_gluon_hopper
-    from dtrain.lowp.kernel_common import tma_ok
+    from dtrain.lowp.int8.gluon_support import has_gluon_hopper
+    from dtrain.lowp.int8.kernel_common import tma_ok
 
     return (
         a_scale is not None
@@ -276,7 +276,7 @@ def launch(a, b, a_scale, b_scale, out, tile: tuple | None = None) -> None:
     if tile is None:
         tile = _tuned(a, b, a_scale, b_scale, out)
     elif tuple(tile) not in TILES:  # each compiled without spills in the compile test
-        raise ValueError(f"int8_gemm_gluon.launch: tile {tile} is not one of {TILES}")
+        raise ValueError(f"gluon_gemm.launch: tile {tile} is not one of {TILES}")
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, _, buffers = tile
@@ -297,11 +297,11 @@ _CHOSEN: dict[tuple, tuple] = {}
 
 
 def _tuned(a, b, a_scale, b_scale, out) -> tuple:
-    """The fastest of TILES for this problem, timed once (int8_triton's autotuning timer: a
+    """The fastest of TILES for this problem, timed once (triton_gemm's autotuning timer: a
     tile that fails to compile counts as infinitely slow). The sums are integers and the
     epilogue the same at every tile, so each writes the same bits: timing into `out` is
     harmless."""
-    from dtrain.lowp.kernel_common import median_ms
+    from dtrain.lowp.int8.kernel_common import median_ms
 
     key = (*a.shape, b.shape[1], out.dtype, a.device)
     if key not in _CHOSEN:

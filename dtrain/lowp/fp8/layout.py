@@ -14,7 +14,7 @@ SwiGLU backward 12 ms more than bf16's.
 of a contiguous 2-D fp8 tensor with `dtrain::fp8_transpose`, an op Inductor cannot fuse: the
 producer then writes only the row-major fp8 tensor it writes anyway (the grad-input GEMM reads
 it), coalesced, and the op transposes it in one tiled pass (a byte read and a byte written per
-element; dtrain/lowp/transpose_triton.py). Data movement only: on CPU a compiled step gives
+element; dtrain/lowp/fp8/triton_transpose.py). Data movement only: on CPU a compiled step gives
 the same bits with it as without; on a GPU the kernels around it may fuse differently, so the
 results agree to rounding (tests/gpu/test_fp8_and_staging.py).
 
@@ -44,9 +44,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernel on C
 @torch.library.custom_op("dtrain::fp8_transpose", mutates_args=())
 def fp8_transpose(x: torch.Tensor) -> torch.Tensor:
     """x (M, N), contiguous -> its transpose (N, M), contiguous. On CUDA a tiled Triton kernel
-    (dtrain/lowp/transpose_triton.py); elsewhere torch's copy."""
+    (dtrain/lowp/fp8/triton_transpose.py); elsewhere torch's copy."""
     if x.device.type == "cuda" or _INTERPRET:
-        from dtrain.lowp.transpose_triton import transpose_bytes
+        from dtrain.lowp.fp8.triton_transpose import transpose_bytes
 
         return transpose_bytes(x)
     return x.t().clone(memory_format=torch.contiguous_format)  # a copy even where t() is one
@@ -163,7 +163,7 @@ def _install(slot: str, pass_type: type, otherwise: str) -> None:
         return
     if current is not None:
         log.warning(
-            "fp8: another Inductor pass is installed in %s (%r); %s (dtrain/lowp/fp8_layout.py)",
+            "fp8: another Inductor pass is installed in %s (%r); %s (dtrain/lowp/fp8/layout.py)",
             slot,
             current,
             otherwise,
