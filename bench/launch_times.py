@@ -1,10 +1,12 @@
-"""Launch to step 10, per strategy, at 1b (issue #17: zero3 must start within 90 s).
+"""Launch to step 10, per strategy or precision, at 1b.
 
-Each strategy runs from a cold process (its compile caches warm from earlier runs, as a user's
-second launch would be) to step 10; the time is the wall clock from the launch until the
-metrics.jsonl record of step 10 is written, with tokens/s of the steps after it.
+Each entry runs from a new process to step 10; the time is the wall clock from the launch until
+the metrics.jsonl record of step 10 is written, with tokens/s of the steps after it. With
+`--runs 2 --fresh-cache` each entry gets empty Inductor and Triton caches of its own: the first
+run compiles everything (a new machine), the second launches the same config again on the
+caches the first filled (a user's second launch), and the run's own compile-cache line is kept.
 
-    python bench/launch_times.py [--strategies single,ddp,...] [--out FILE]
+    python bench/launch_times.py [--strategies single,...] [--runs N] [--fresh-cache] [--out F]
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ COMMON = [
     "trainer.eval_every=0",
     "trainer.progress_bar=false",
     "checkpoint.save_final=false",
-    "precision=bf16",
 ]
 STRATEGIES = {
     "single": (1, []),
+    "single_fp8": (1, ["precision=fp8"]),
+    "single_int8": (1, ["precision=int8"]),
     "ddp": (2, ["strategy=ddp"]),
     "fsdp": (2, ["strategy=fsdp"]),
     "zero1": (2, ["strategy=zero1"]),
@@ -88,16 +91,23 @@ def step_time(
     return time.perf_counter() - t0 if metrics.exists() and needle in metrics.read_text() else None
 
 
-def measure(name: str, root: Path, limit: float) -> dict:
+def measure(name: str, root: Path, limit: float, cache: Path | None = None) -> dict:
     from dtrain.dist import train_command
 
     nproc, extra = STRATEGIES[name]
+    if not any(x.startswith("precision=") for x in extra):
+        extra = [*extra, "precision=bf16"]
     run_dir = root / name
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     cmd = train_command([*COMMON, *extra, f"hydra.run.dir={run_dir}"], nproc)
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0")  # DeepSpeed's FusedAdam build
+    if cache is not None:
+        env.update(
+            TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
+        )
     t0 = time.perf_counter()
-    log = open(root / f"{name}.log", "w")
+    log_path = root / f"{name}.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -118,7 +128,18 @@ def measure(name: str, root: Path, limit: float) -> dict:
         "stopped_at_limit": t10 is None and proc.returncode is not None and proc.returncode < 0,
         "tokens_per_s": later[len(later) // 2] if later else None,
         "returncode": proc.returncode,
+        "compile_cache": cache_lines(log_path),
     }
+
+
+def cache_lines(log: Path) -> list[str]:
+    """The run's own words on what its compiling step took from the compile cache."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [
+        line.split("torch.compile: ", 1)[1]
+        for line in text.splitlines()
+        if "torch.compile: " in line
+    ]
 
 
 def main() -> None:
@@ -127,6 +148,12 @@ def main() -> None:
         "--strategies",
         default="single,ddp,fsdp,zero1,zero2,zero3",
         help=f"any of {','.join(STRATEGIES)}",
+    )
+    ap.add_argument("--runs", type=int, default=1, help="launches of each entry, one after another")
+    ap.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="each entry starts from empty compile caches of its own, kept for its later runs",
     )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--root", type=Path, default=Path("/tmp/runs/launch"))
@@ -146,7 +173,11 @@ def main() -> None:
     for name in args.strategies.split(","):
         out[name] = skip_reason(STRATEGIES[name][0], out["gpus"], args.limit, end)
         if out[name] is None:
-            out[name] = measure(name, args.root, args.limit)
+            cache = args.root / f"cache_{name}" if args.fresh_cache else None
+            if cache is not None:
+                subprocess.run(["rm", "-rf", str(cache)], check=True)
+            runs = [measure(name, args.root, args.limit, cache) for _ in range(args.runs)]
+            out[name] = runs[0] if args.runs == 1 else runs
         print(name, json.dumps(out[name]), flush=True)
         if args.out:  # after each: a call cut short keeps what it measured (whole: renamed)
             tmp = args.out.with_name(args.out.name + ".tmp")
