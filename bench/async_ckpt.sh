@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoint stall (issue 17, item 4): the time the training loop is blocked by each periodic
+# Checkpoint stall: the time the training loop is blocked by each periodic
 # save, checkpoint.async_save=false against true, side by side at one model and strategy. Both
 # runs save every EVERY steps (keep_last=1); bench/ckpt_stall.py reads every save's stall_s and
 # save_s from the two metrics.jsonl and prints their medians and sync's over async's.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Core benchmark (issue 2): dtrain single/ddp vs the plain loop, model=1b, seq 2048, micro 8, bf16.
+# Core benchmark: dtrain single/ddp vs the plain loop, model=1b, seq 2048, micro 8, bf16.
 #   bash bench/core.sh single   # 1 GPU
 #   bash bench/core.sh ddp      # 2 GPUs
 set -uo pipefail

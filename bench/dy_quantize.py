@@ -1,5 +1,5 @@
 """The output gradient's two quantizes under precision.int8_grad_weight=int8_grouped, timed on one
-GPU (issue 16): dy is quantized per token over its channels for the grad-input GEMM
+GPU: dy is quantized per token over its channels for the grad-input GEMM
 (dtrain::int8_quantize_rowwise) and per channel per 128 tokens for the grouped grad-weight GEMM
 (dtrain::int8_quantize_groups), each kernel reading all of dy. What one kernel reading dy once
 would save, and what bounds it:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fp8's start-up on resume (issue 16): a compiled precision=fp8 run at its defaults (delayed
+# fp8's start-up on resume: a compiled precision=fp8 run at its defaults (delayed
 # scales on one GPU) stopped after step STOP, then resumed to step 2*STOP in the same run dir.
 # The fresh run compiles twice (the dynamic first step's graphs, then the delayed ones); the
 # resume restores each rank's amax histories from the checkpoint and compiles the delayed

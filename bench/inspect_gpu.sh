@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issue 8 (no figures): samples + attention maps at eval under torch.compile and
+# GPU check (no figures): samples + attention maps at eval under torch.compile and
 # bf16, a profiler trace with the self-device-time table, bf16 generation with the KV cache,
 # Hugging Face export and its logits under transformers. Results and logs go to $OUT.
 #   bash bench/inspect_gpu.sh            # 1 GPU

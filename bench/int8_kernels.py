@@ -1,4 +1,4 @@
-"""int8 kernels on one GPU (issue 16): bf16 against torch._int_mm against dtrain's Triton kernels,
+"""int8 kernels on one GPU: bf16 against torch._int_mm against dtrain's Triton kernels,
 per matmul and end to end, every ratio against the bf16 measured in the same run of the script.
 
     python bench/int8_kernels.py --out $OUT            # ~5 min on one H100: both parts

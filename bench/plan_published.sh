@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The plan's figures beyond 2 GPUs beside published results of another framework (issue 20,
-# item 6; docs/planner.md "Beyond two GPUs"): torchtitan's Llama 3.1 8B under FSDP on 8 and 128
+# The plan's figures beyond 2 GPUs beside published results of another framework
+# (docs/planner.md "Beyond two GPUs"): torchtitan's Llama 3.1 8B under FSDP on 8 and 128
 # H100s (docs/performance.md of pytorch/torchtitan, Tables 1 and 3: local batch 2, seq 8192,
 # selective activation checkpointing, eager / torch.compile / torch.compile + Float8).
 # CPU only: plans, runs nothing. Their card (H100 96 GB HBM2e at 500 W) is in no datasheet

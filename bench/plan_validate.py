@@ -1,4 +1,4 @@
-"""Predicted vs measured tokens/s per GPU over a grid of real runs (issue 20, item 6).
+"""Predicted vs measured tokens/s per GPU over a grid of real runs.
 
     python bench/plan_validate.py --out $OUT                       # 1b and 8b, 1 and 2 GPUs
     python bench/plan_validate.py --out $OUT --profile $OUT/profile.json  # and a profile

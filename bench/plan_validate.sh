@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20, item 6: the speed plan's tokens/s per GPU beside measured, model=1b and 8b, every
+# The speed plan's tokens/s per GPU beside measured, model=1b and 8b, every
 # strategy, bf16 and fp8, on 1 and 2 GPUs; the machine calibrated first, so each point is
 # predicted from the datasheet and from the profile.
 #   OUT=/tmp/out bash bench/plan_validate.sh

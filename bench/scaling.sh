@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Weak scaling on one host (issue 10): the same per-GPU batch on 1, 2 and 4 (or 8) GPUs.
+# Weak scaling on one host: the same per-GPU batch on 1, 2 and 4 (or 8) GPUs.
 # model=1b, seq 2048, micro-batch 8 per GPU, bf16, synthetic data.
 #   OUT=/tmp/out bash bench/scaling.sh "1 2 4"
 set -uo pipefail

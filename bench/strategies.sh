@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Strategies benchmark (issue 4), 2 GPUs, model=1b, seq 2048, micro-batch 8, bf16, synthetic data:
+# Strategies benchmark, 2 GPUs, model=1b, seq 2048, micro-batch 8, bf16, synthetic data:
 # dtrain ddp/fsdp/zero1/zero2/zero3 next to the plain loop (ddp, fsdp), a plain DeepSpeed loop
 # (ZeRO-2, ZeRO-3) and Lightning Fabric (ddp, fsdp, deepspeed_stage_2), all in one invocation.
 #   OUT=/tmp/out bash bench/strategies.sh            # everything (~25 min on 2x H100)
@@ -62,7 +62,7 @@ case "${1:-all}" in
   part6) dtrain_as fsdp_reduce_bf16 strategy=fsdp precision.reduce_dtype=bf16; fabric fsdp
          dtrain ddp; fabric ddp; dtrain fsdp
          dtrain_as ddp_reduce_bf16 strategy=ddp precision.reduce_dtype=bf16; plain fsdp; plain ddp ;;
-  # Issue 5: every precision under fsdp on 2 GPUs (bf16 is part3's dtrain fsdp).
+  # Every precision under fsdp on 2 GPUs (bf16 is part3's dtrain fsdp).
   precision_fsdp)
     # (int8's grad-weight default was int8 when these ran; pinned so the labels stay true.)
     for p in fp16 fp8; do dtrain_as fsdp_$p strategy=fsdp precision=$p; done

@@ -1,5 +1,5 @@
 """The supported torch range is written once, in pyproject.toml; README, Dockerfile, .ci/run and
-scripts/install.sh must agree with it (issue 19: they had named three different versions)."""
+scripts/install.sh must agree with it."""
 
 import re
 import shutil
