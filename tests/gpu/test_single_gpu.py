@@ -222,22 +222,55 @@ def test_memory_snapshot_says_where_reserved_memory_sits(tmp_path, results):
     assert t["at_peak"]["largest"] and all(x["where"] for x in t["at_peak"]["largest"])
 
 
+def largest_micro_batch_the_check_lets_try(args: list[str]) -> tuple[int, float]:
+    """The largest micro-batch whose memory plan the start-up check lets try (up to PLAN_SLACK
+    times the GPU's memory: near the limit the run tries and an OOM says what fits), with that
+    plan over the GPU's memory. Planned as the check plans it (dtrain/run/preflight.py)."""
+    from dataclasses import replace
+
+    import torch
+
+    from dtrain.config import compose
+    from dtrain.memory import plan_memory
+    from dtrain.memory.search import device_capacity
+    from dtrain.memory.setup import planned_config
+    from dtrain.run.preflight import PLAN_SLACK
+
+    cfg, capacity = compose(args), device_capacity(torch.device("cuda"))
+    best = (0, 0.0)
+    for mb in range(1, 128):
+        trial = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=mb))
+        pcfg, _, setup = planned_config(trial, 1, "cuda")
+        ratio = plan_memory(pcfg.model, setup).total_bytes / capacity
+        if ratio > PLAN_SLACK:
+            break
+        best = (mb, ratio)
+    return best
+
+
 @pytest.mark.xdist_group("memory_1b")
 def test_a_real_out_of_memory_under_fsdp_is_exit_3_with_advice(tmp_path, results):
-    """A CUDA OOM, not an injected one: model=1b at micro-batch 96 x 2048 under fsdp (its auto
-    options resolved, the vocab the data's) on one GPU. One error line, exit 3, and the advice
-    planned for the run as built: what fits instead, in the run dir."""
-    args = merged(
+    """A CUDA OOM, not an injected one: model=1b under fsdp (its auto options resolved, the
+    vocab the data's) on one GPU at the largest micro-batch the start-up check lets try, planned
+    at over 1.05x the GPU (the plan is within 10% of peak reserved: it cannot fit). One error
+    line, exit 3, and the advice planned for the run as built: what fits instead, in the run dir."""
+    base = merged(
         *MEMORY_1B,
         "strategy=fsdp",
         "strategy.compile=false",  # runs out in the first forward, not after compiling
-        "trainer.micro_batch_size=96",
     )
+    mb, ratio = largest_micro_batch_the_check_lets_try(base)
+    assert ratio > 1.05, (mb, ratio)  # a size the check lets try that cannot fit
+    args = merged(*base, f"trainer.micro_batch_size={mb}")
     res = launch(*args, f"hydra.run.dir={tmp_path}", env_extra=one_gpu_env(), timeout=600)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     advice_file = tmp_path / "oom_advice.txt"
     advice = advice_file.read_text() if advice_file.exists() else ""
-    record(results, "oom/1b-fsdp", {"rc": res.returncode, "advice": advice[:2000]})
+    record(
+        results,
+        "oom/1b-fsdp",
+        {"rc": res.returncode, "mb": mb, "plan_over_gpu": ratio, "advice": advice[:2000]},
+    )
     assert res.returncode == 3, res.stderr[-4000:]
     assert len(errors) == 1 and "ran out of memory" in errors[0], res.stderr[-4000:]
     assert "Traceback" not in res.stderr
