@@ -110,16 +110,21 @@ def write_text(path: str | Path, text: str, *, overwrite: bool = False, key: str
 # Top-level folders a user may put on another disk with a link to a folder (a scratch volume
 # for checkpoints): a run creates new files in them, and writes over none through the link.
 STORAGE_LINKS = ("checkpoints", "tensorboard")
+# Top-level folders a logging library fills on its own, links included (wandb's latest-run):
+# dtrain writes nothing in them, so their links are the library's, not in dtrain's way.
+LIBRARY_TREES = ("wandb",)
 
 
 def check_tree(root: str | Path, what: str = "run dir") -> None:
     """ConfigError if any entry under `root` (itself excluded) is a symbolic link, but for a
-    link to a folder at one of STORAGE_LINKS: a run writes its files there, and dtrain makes
-    no links."""
+    link to a folder at one of STORAGE_LINKS (a run writes its files there, and dtrain makes
+    no links) and what lies in LIBRARY_TREES."""
     root = Path(root)
     if not root.is_dir() or is_link(root):
         return
     for dirpath, dirnames, filenames in os.walk(root):  # links to folders are not entered
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in LIBRARY_TREES or is_link(root / d)]
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             if Path(dirpath) == root and name in STORAGE_LINKS and p.is_dir():

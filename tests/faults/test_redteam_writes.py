@@ -230,3 +230,23 @@ def test_generate_refuses_more_samples_than_fit(trained):
         UserError, match=r"num_samples=1000000000 needs about .* at most num_samples="
     ):
         main([f"checkpoint={run_dir}", "num_samples=1000000000", "max_new_tokens=4"])
+
+
+def test_the_links_wandb_makes_in_its_own_folder_do_not_refuse_the_next_run(tmp_path):
+    """wandb keeps `wandb/latest-run` pointing at its newest run: a second run in the same run
+    dir goes on; the same link anywhere dtrain writes, or `wandb` itself a link, is refused."""
+    from dtrain.errors import ConfigError
+    from dtrain.reliability.safe_write import check_tree
+
+    (tmp_path / "wandb" / "offline-run-1").mkdir(parents=True)
+    (tmp_path / "wandb" / "latest-run").symlink_to("offline-run-1")
+    check_tree(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "latest-run").symlink_to(tmp_path / "wandb" / "offline-run-1")
+    with pytest.raises(ConfigError, match="holds a symbolic link"):
+        check_tree(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "wandb").symlink_to(tmp_path / "wandb")
+    with pytest.raises(ConfigError, match="holds a symbolic link"):
+        check_tree(other)
