@@ -53,11 +53,7 @@ from tests.conftest import FAST, ROOT, cli_env
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 
 # (page, a phrase of the command): why it fails today. Expected to fail; a pass fails the test.
-KNOWN_BROKEN = {
-    ("docs/planner.md", "objective=fastest precisions=bf16"): (
-        "dtrain.cli.plan: objective=fastest still asks for a strategy (exit 2); fix in progress"
-    ),
-}
+KNOWN_BROKEN: dict[tuple[str, str], str] = {}
 
 RUN_PRECISIONS = {"fp32", "bf16", "bf16-true"}  # the others need a GPU's kernels
 OFFLINE_SOURCES = {"embedded", "local", "synthetic"}
