@@ -14,6 +14,7 @@ import torch
 from dtrain.config import DataConfig
 from dtrain.data import BatchStream, build_data, eval_batches
 from dtrain.errors import DataError
+from dtrain.data.loader import merge_positions
 from tests.conftest import launch, read_jsonl
 
 N_TOKENS = 1500  # numbered tokens "0".."1499", each in exactly one document
@@ -144,9 +145,11 @@ def test_every_token_once_per_epoch_with_2_ranks_x_2_workers(corpus):
 
 def merged_state(bs: list[BatchStream]) -> dict:
     """What state_dict() gathers over ranks under torchrun (here: one process per test)."""
-    state = bs[0].state_dict()
-    for b in bs[1:]:
-        state["streams"].update(b.state_dict()["streams"])
+    states = [b.state_dict() for b in bs]
+    state = states[0]
+    state["streams"], state["skipped"] = merge_positions(
+        [(st["streams"], st["skipped"]) for st in states]
+    )
     return state
 
 
