@@ -13,8 +13,8 @@ import torch
 
 from dtrain.config import DataConfig
 from dtrain.data import BatchStream, build_data, eval_batches
-from dtrain.errors import DataError
 from dtrain.data.loader import merge_positions
+from dtrain.errors import DataError
 from tests.conftest import launch, read_jsonl
 
 N_TOKENS = 1500  # numbered tokens "0".."1499", each in exactly one document

@@ -27,6 +27,7 @@ from dtrain.errors import DataError
 
 log = logging.getLogger("dtrain")
 
+
 class SourceEnded(DataError):
     """A source ran out under data.on_exhausted=stop: the blocks read before it still count."""
 
@@ -112,8 +113,9 @@ def group_blocks(
         m = g.mix.source_of(k, frozenset(ended))
         if m < 0:
             raise DataError(
-                "every source of the data ran out (data.on_exhausted=reweight); train fewer "
-                "steps, add data, or set data.on_exhausted=repeat"
+                f"the data ran out: stream {s} of every source is read to its end "
+                "(data.on_exhausted=reweight); train fewer steps, add data, or set "
+                "data.on_exhausted=repeat"
             )
         try:
             blk, pos, sk = next(gens[m])

@@ -1,0 +1,274 @@
+"""Weighted data mixtures: the weights, exact resume at 1, 2 and 3 ranks, sources that run out,
+per-source eval that leaves training untouched, and bad mixture configs refused in one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.config import ConfigError, DataConfig, MixtureSourceConfig
+from dtrain.data import build_data
+from dtrain.data.mixture import CHUNK, Mixture
+from dtrain.data.stream import is_heldout
+from dtrain.errors import DataError
+from tests.conftest import FAST, compose, launch, read_jsonl, train, train_losses
+from tests.test_data import N_TOKENS, merged_state, numbered_corpus, step_all, streams
+
+SEQ = 16
+
+
+@pytest.mark.parametrize("weights", [(0.5, 0.3, 0.2), (0.95, 0.05), (1.0, 3.0, 7.0, 9.0)])
+def test_weights_hold_within_one_percent_over_10k_blocks(weights):
+    mix = Mixture.of({f"s{i}": w for i, w in enumerate(weights)}, seed=3)
+    n = 10_000
+    counts = Counter(mix.source_of(k) for k in range(n))
+    for m, w in enumerate(mix.weights):
+        assert abs(counts[m] / n - w) < 0.01, (m, counts[m] / n, w)
+    # Every whole chunk holds the weights to one block.
+    whole = Counter(mix.source_of(k) for k in range(4 * CHUNK))
+    assert all(abs(whole[m] - 4 * CHUNK * w) <= 1 for m, w in enumerate(mix.weights))
+
+
+def test_the_choice_is_a_pure_function_of_seed_and_block_index():
+    mix = Mixture.of({"a": 2.0, "b": 1.0}, seed=0)
+    ks = [5_000_003, 17, 2048, 1023, 1024]
+    fresh = Mixture.of({"a": 2.0, "b": 1.0}, seed=0)
+    assert [mix.source_of(k) for k in ks] == [fresh.source_of(k) for k in reversed(ks)][::-1]
+    other = Mixture.of({"a": 2.0, "b": 1.0}, seed=1)
+    assert [mix.source_of(k) for k in range(200)] != [other.source_of(k) for k in range(200)]
+    # A source that ended hands its blocks to the others; the others' blocks stay theirs.
+    assert {mix.source_of(k, frozenset({1})) for k in range(500)} == {0}
+    assert mix.source_of(7, frozenset({0, 1})) == -1
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory):
+    """Two local sources of numbered tokens (each token in one document of one source): "big"
+    holds two thirds of the documents, "small" one third."""
+    root = tmp_path_factory.mktemp("mix")
+    files, tok = numbered_corpus(root)
+    origin = {}
+    for f, path in enumerate(files):
+        for line in Path(path).read_text().splitlines():
+            for t in json.loads(line)["text"].split():
+                origin[int(t)] = "small" if f == 2 else "big"
+    return files, tok, origin
+
+
+def mix_bundle(two_sources, *, weights=(0.5, 0.5), on_exhausted="repeat", num_streams=4):
+    files, tok, _ = two_sources
+    cfg = DataConfig(
+        tokenizer=str(tok),
+        shuffle_window=8,
+        num_streams=num_streams,
+        on_exhausted=on_exhausted,
+        mixture=[
+            MixtureSourceConfig(name="big", weight=weights[0], source="local", files=files[:2]),
+            MixtureSourceConfig(name="small", weight=weights[1], source="local", files=files[2:]),
+        ],
+    )
+    return build_data(cfg, seq_len=SEQ, seed=0, device=torch.device("cpu"))
+
+
+def source_of_row(row: list[int], origin: dict) -> str:
+    (src,) = {origin[t] for t in row if t != N_TOKENS}  # a block holds one source's tokens
+    return src
+
+
+def rows(step: list[torch.Tensor]) -> list[tuple]:
+    return sorted(tuple(r) for x in step for r in x.tolist())
+
+
+def test_blocks_come_from_their_chosen_source_and_resume_exactly_at_1_2_and_3_ranks(two_sources):
+    bundle = mix_bundle(two_sources, weights=(0.7, 0.3))
+    mix, origin = bundle.train.group.mix, two_sources[2]
+    G, k, m = 6, 3, 12  # global batch 6; 15 steps cross the small source's epochs
+    (ref,) = streams(bundle, 1, micro=G, workers=0)
+    want = [step_all([ref])[0].tolist() for _ in range(k + m)]
+    for step, batch in enumerate(want):  # one rank: row i of step n is block n*G + i
+        for i, row in enumerate(batch):
+            assert source_of_row(row, origin) == mix.names[mix.source_of(step * G + i)]
+    assert ref.source_blocks() == dict(Counter(mix.names[mix.source_of(b)] for b in range(90)))
+    want = [sorted(map(tuple, b)) for b in want]
+    for a in (1, 2, 3):
+        run = streams(bundle, a, micro=G // a, workers=2 if a == 2 else 0)
+        assert [rows(step_all(run)) for _ in range(k)] == want[:k], a
+        state = json.loads(json.dumps(merged_state(run)))
+        assert sorted(state["streams"]) == sorted(f"{n}/{s}" for n in mix.names for s in range(4))
+        for b in (1, 2, 3):
+            resumed = streams(bundle, b, micro=G // b, workers=0)
+            for r in resumed:
+                r.load_state_dict(state)
+            assert [rows(step_all(resumed)) for _ in range(m)] == want[k:], (a, b)
+            for r in resumed:
+                r.close()
+        for r in run:
+            r.close()
+
+
+def trained_tokens(bs, steps: int) -> tuple[Counter, str]:
+    """Tokens of up to `steps` steps of every rank, and the error that stopped them."""
+    seen: Counter = Counter()
+    for _ in range(steps):
+        try:
+            for x in step_all(bs):
+                seen.update(t for t in x.flatten().tolist() if t != N_TOKENS)
+        except DataError as e:
+            return seen, str(e)
+    return seen, ""
+
+
+def training_tokens(two_sources, source: str) -> set[int]:
+    files, _, origin = two_sources
+    held = set()
+    for path in files:
+        for line in Path(path).read_text().splitlines():
+            text = json.loads(line)["text"]
+            if is_heldout(text, 0.02):
+                held |= {int(t) for t in text.split()}
+    return {t for t, s in origin.items() if s == source} - held
+
+
+def test_on_exhausted_stop_stops_at_the_same_step_at_1_and_2_ranks_with_every_token_once(
+    two_sources,
+):
+    bundle = mix_bundle(two_sources, on_exhausted="stop")
+    one, error = trained_tokens(streams(bundle, 1, micro=4, workers=0), 200)
+    assert "data source 'small' ran out (data.on_exhausted=stop)" in error
+    assert max(one.values()) == 1  # nothing read twice
+    assert set(one) & training_tokens(two_sources, "small")
+    two, error = trained_tokens(streams(bundle, 2, micro=2, workers=1), 200)
+    assert "data source 'small' ran out" in error
+    assert two == one  # the same blocks, up to the same step
+
+
+def test_on_exhausted_reweight_trains_on_past_the_end_of_a_source(two_sources, caplog):
+    stopped, _ = trained_tokens(streams(mix_bundle(two_sources, on_exhausted="stop"), 1), 400)
+    bundle = mix_bundle(two_sources, on_exhausted="reweight")
+    with caplog.at_level(logging.WARNING, logger="dtrain"):
+        (b,) = streams(bundle, 1, micro=4, workers=0)
+        seen, error = trained_tokens([b], 400)
+    assert "the data ran out: stream" in error and "of every source is read to its end" in error
+    said = [r.message for r in caplog.records if "ran out" in r.message]
+    assert len([s for s in said if "'small' ran out" in s]) == 1, said  # said once
+    assert max(seen.values()) == 1  # nothing read twice
+    assert set(stopped) < set(seen)  # the same blocks up to the end of 'small', then more
+    every = training_tokens(two_sources, "big") | training_tokens(two_sources, "small")
+    assert len(set(seen)) > 0.75 * len(every)
+    # Resumed after the small source ran out: the same blocks as without the resume.
+    (straight,) = streams(bundle, 1, micro=4, workers=0)
+    for _ in range(12):
+        step_all([straight])
+    state = json.loads(json.dumps(straight.state_dict()))
+    want = [rows(step_all([straight])) for _ in range(4)]
+    resumed = streams(bundle, 2, micro=2, workers=0)
+    for r in resumed:
+        r.load_state_dict(state)
+    assert [rows(step_all(resumed)) for _ in range(4)] == want
+
+
+# --- the run: per-source eval and logging, bit-identical training with and without eval -----
+
+MIX = ["data=mixture", "data.mixture.0.max_bytes=300000", "trainer.max_steps=6"]
+
+
+def test_eval_per_source_leaves_training_bit_identical(tmp_path):
+    logged = ["trainer.log_every=1", "checkpoint.save_final=false"]
+    train(tmp_path / "plain", *MIX, *logged, "trainer.eval_every=0")
+    train(tmp_path / "evals", *MIX, *logged, "trainer.eval_every=2")
+    plain, evals = train_losses(tmp_path / "plain"), train_losses(tmp_path / "evals")
+    assert sorted(plain) == list(range(1, 7))
+    assert plain == evals  # bit-identical: eval moves neither the data nor any generator
+    records = read_jsonl(tmp_path / "evals" / "metrics.jsonl")
+    ev = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in ev] == [0, 2, 4, 6]
+    for r in ev:
+        assert set(r["eval_sources"]) == {"python", "docs"}
+        assert r["eval_seconds"] > 0
+        by_weight = (
+            0.8 * r["eval_sources"]["python"]["loss"] + 0.2 * r["eval_sources"]["docs"]["loss"]
+        )
+        assert r["eval_loss"] == pytest.approx(by_weight)
+    last = [r for r in records if "data_tokens" in r][-1]
+    assert sum(last["data_tokens"].values()) == last["tokens_seen"]  # every block counted once
+    assert set(last["data_share"]) == {"python", "docs"}
+
+    from dtrain.cli.compare import read_run, render_table
+
+    table = render_table([read_run(tmp_path / "plain"), read_run(tmp_path / "evals")])
+    head = table.splitlines()[0]
+    assert "eval python" in head and "eval docs" in head
+    docs = ev[-1]["eval_sources"]["docs"]["loss"]
+    assert f"{docs:.4f}" in table.splitlines()[-1]
+
+
+def test_tensorboard_charts_every_source_eval_beside_the_training_loss():
+    import re
+
+    from dtrain.reporting.tensorboard import layout
+
+    charts = layout(cuda=False, mfu=False)
+    loss = charts["training"]["loss"][1]
+    tags = ["train/loss", "eval/loss", "eval/python/loss", "eval/docs/loss"]
+    assert all(any(re.fullmatch(p, t) for p in loss) for t in tags)
+    assert not any(re.fullmatch(p, "eval/downstream/cloze/acc") for p in loss)
+    assert any(re.fullmatch(p, "data/docs/share") for p in sum(
+        (c[1] for c in charts["data and eval"].values()), []))  # fmt: skip
+
+
+def test_a_mixture_saved_on_2_ranks_resumes_on_1_with_the_same_losses(tmp_path):
+    args = [*MIX, "trainer.log_every=1", "trainer.eval_every=0", "trainer.micro_batch_size=4"]
+    train(tmp_path / "single", *args, "trainer.micro_batch_size=8")
+    res = launch(
+        *FAST,
+        *args,
+        "strategy=ddp",
+        "trainer.stop_at_step=3",
+        f"hydra.run.dir={tmp_path}/moved",
+        nproc=2,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    train(
+        tmp_path / "resumed",
+        *args,
+        "trainer.micro_batch_size=8",
+        f"resume={tmp_path}/moved/checkpoints/step_0000003",
+    )
+    a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "resumed")
+    assert sorted(b) == [4, 5, 6]
+    for step in b:
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+
+
+# --- bad mixtures ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("data.mixture.0.weight=-1", r"data.mixture\[0\].weight must be a finite number > 0"),
+        ("data.mixture.1.weight=nan", r"data.mixture\[1\].weight must be a finite number > 0"),
+        ("data.mixture.1.name=python", r"data.mixture\[1\].name='python' is used twice"),
+        ("data.mixture.0.name='a b'", r"data.mixture\[0\].name='a b' is not valid"),
+        ("data.mixture.0.source=synthetic", r"data.mixture\[0\].source='synthetic' is not valid"),
+        ("+data.mixture.0.tokenizer=gpt2", r"unknown config key 'data.mixture\[0\].tokenizer'"),
+        ("data.on_exhausted=again", r"data.on_exhausted='again' is not valid; choose repeat"),
+    ],
+)
+def test_bad_mixtures_are_refused_in_one_line(override, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        compose("data=mixture", override)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_bad_mixture_exits_2_with_one_line(tmp_path):
+    res = launch("data=mixture", "data.mixture.1.weight=0", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert lines == ["error: data.mixture[1].weight must be a finite number > 0, got 0.0"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
