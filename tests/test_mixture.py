@@ -194,6 +194,15 @@ def test_eval_per_source_leaves_training_bit_identical(tmp_path):
             0.8 * r["eval_sources"]["python"]["loss"] + 0.2 * r["eval_sources"]["docs"]["loss"]
         )
         assert r["eval_loss"] == pytest.approx(by_weight)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "evals" / "tensorboard" / "single-fp32-w1-tiny"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for name in ("python", "docs"):
+        assert {f"eval/{name}/loss", f"eval/{name}/ppl", f"data/{name}/tokens"} <= tags
+    assert [e.step for e in acc.Scalars("eval/docs/loss")] == [0, 2, 4, 6]
+    assert "eval/seconds" in tags
     last = [r for r in records if "data_tokens" in r][-1]
     assert sum(last["data_tokens"].values()) == last["tokens_seen"]  # every block counted once
     assert set(last["data_share"]) == {"python", "docs"}
@@ -221,18 +230,22 @@ def test_tensorboard_charts_every_source_eval_beside_the_training_loss():
         (c[1] for c in charts["data and eval"].values()), []))  # fmt: skip
 
 
-def test_a_mixture_saved_on_2_ranks_resumes_on_1_with_the_same_losses(tmp_path):
+def test_a_mixture_saved_by_fsdp_on_2_ranks_resumes_on_1_with_the_same_losses(tmp_path):
     args = [*MIX, "trainer.log_every=1", "trainer.eval_every=0", "trainer.micro_batch_size=4"]
     train(tmp_path / "single", *args, "trainer.micro_batch_size=8")
     res = launch(
         *FAST,
         *args,
-        "strategy=ddp",
+        "strategy=fsdp",
         "trainer.stop_at_step=3",
+        "trainer.eval_every=3",  # the sharded model scores every source
         f"hydra.run.dir={tmp_path}/moved",
         nproc=2,
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    ev = [r for r in read_jsonl(tmp_path / "moved" / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in ev] == [0, 3]
+    assert all(set(r["eval_sources"]) == {"python", "docs"} for r in ev)
     train(
         tmp_path / "resumed",
         *args,
