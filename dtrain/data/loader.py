@@ -1,16 +1,17 @@
 """This rank's batches: streams read by (rank, worker), a global order, an exact position.
 
-The data is cut into S = data.num_streams streams (stream.py). Blocks have a global order that
-does not depend on the number of ranks or workers: block k is the (k // S)-th block of stream
-k % S, and step n trains on blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a
-world of size R takes the blocks k with k % R == r, so it reads the streams s with
-s % g == r % g (g = gcd(S, R)) and keeps every (R/g)-th block of each: when R divides S a rank
-owns whole streams and reads each record once; otherwise R/g ranks read a stream and each keeps
-its share. Its DataLoader workers split its streams between them. Hence:
+Every source is cut into S = data.num_streams streams (stream.py). Blocks have a global order
+that does not depend on the number of ranks or workers: block k is the next block of stream
+k % S of the source chosen for k (mixture.py; one source: always it), and step n trains on
+blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a world of size R takes the
+blocks k with k % R == r, so it reads the stream indices s with s % g == r % g (g = gcd(S, R))
+of every source and keeps every (R/g)-th block of each: when R divides S a rank owns whole
+streams and reads each record once; otherwise R/g ranks read a stream and each keeps its
+share. Its DataLoader workers split its stream indices between them. Hence:
   * each block is trained on by exactly one (rank, worker), once per epoch of its stream;
   * a step sees the same blocks with 1 rank x micro 8 as with 2 or 3 ranks (parity);
   * the position is the global count of blocks consumed plus each stream's small state,
-    taken from the rank that took the stream's last consumed block; resuming rebuilds every
+    taken from the rank that took the stream's latest block; resuming rebuilds every
     stream at its state, so the next batch is the one an uninterrupted run would have seen,
     with any number of workers and any world size.
 Workers run ahead (prefetch); each block carries its stream's state after it, and the state
@@ -106,7 +107,7 @@ class _RankStreams(torch.utils.data.IterableDataset):
     owned[w::W] of every source and yields, per item, this rank's blocks of them in one period
     of the global order (each of the rank's stream indices once), with their positions."""
 
-    def __init__(self, b: TrainStreams, owned, states, *, consumed: int, rank: int, world: int):
+    def __init__(self, b: TrainStreams, owned, states, consumed: int, rank: int, world: int):
         self.group, self.owned, self.states = b.group, owned, states
         self.consumed, self.rank, self.world = consumed, rank, world
 
@@ -191,7 +192,7 @@ class _StepReader:
         self.blocks_of = [0] * len(b.names)  # blocks of each source read for the loop
         self.notes: list[tuple[str, str]] = []
         workers = min(b.num_workers, len(owned))
-        ds = _RankStreams(b, owned, dict(states), consumed=consumed, rank=rank, world=world)
+        ds = _RankStreams(b, owned, dict(states), consumed, rank, world)
         loader = torch.utils.data.DataLoader(
             ds,
             batch_size=None,  # items are already one block per stream of a worker
