@@ -154,7 +154,6 @@ def build_data(
         GroupSpec(tuple(specs), mix, cfg.on_exhausted),
         cfg.num_workers,
         cfg.prefetch_factor,
-        cfg.share_tolerance,
     )
     evals = {
         p.name: EvalBlocks(

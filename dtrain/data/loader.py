@@ -57,7 +57,6 @@ class TrainStreams:
     group: GroupSpec
     num_workers: int = 1
     prefetch_factor: int = 4
-    share_tolerance: float = 0.01
 
     @property
     def spec(self) -> StreamSpec:
