@@ -111,6 +111,39 @@ def test_blocks_come_from_their_chosen_source_and_resume_exactly_at_1_2_and_3_ra
             r.close()
 
 
+def test_weights_may_change_and_sources_join_at_a_resume(two_sources):
+    files, tok, origin = two_sources
+    only_big = build_data(
+        DataConfig(
+            tokenizer=str(tok),
+            shuffle_window=8,
+            num_streams=4,
+            mixture=[MixtureSourceConfig(name="big", source="local", files=files[:2])],
+        ),
+        seq_len=SEQ,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+    (first,) = streams(only_big, 1, micro=4, workers=0)
+    before = [r for _ in range(5) for r in step_all([first])[0].tolist()]
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["source_blocks"] == {"big": 20}
+    for weights in ((0.5, 0.5), (0.8, 0.2)):  # "small" joins, then the weights change
+        bundle = mix_bundle(two_sources, weights=weights)
+        (b,) = streams(bundle, 1, micro=4, workers=0)
+        b.load_state_dict(state)
+        after = [r for _ in range(5) for r in step_all([b])[0].tolist()]
+        mix = bundle.train.group.mix
+        want = [mix.names[mix.source_of(k)] for k in range(len(before), len(before) + 20)]
+        assert [source_of_row(r, origin) for r in after] == want
+        seen = Counter(t for r in before + after for t in r if t != N_TOKENS)
+        assert max(seen.values()) == 1  # "big" goes on where it was: nothing read twice
+        counts = Counter(source_of_row(r, origin) for r in before + after)
+        assert b.source_blocks() == {"big": counts["big"], "small": counts["small"]}
+        state = json.loads(json.dumps(b.state_dict()))
+        before += after
+
+
 def trained_tokens(bs, steps: int) -> tuple[Counter, str]:
     """Tokens of up to `steps` steps of every rank, and the error that stopped them."""
     seen: Counter = Counter()

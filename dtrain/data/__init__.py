@@ -154,6 +154,7 @@ def build_data(
         GroupSpec(tuple(specs), mix, cfg.on_exhausted),
         cfg.num_workers,
         cfg.prefetch_factor,
+        named=bool(cfg.mixture),
     )
     evals = {
         p.name: EvalBlocks(

@@ -57,6 +57,7 @@ class TrainStreams:
     group: GroupSpec
     num_workers: int = 1
     prefetch_factor: int = 4
+    named: bool = False  # data.mixture: streams are saved under their source's name
 
     @property
     def spec(self) -> StreamSpec:
@@ -72,7 +73,7 @@ class TrainStreams:
 
     def key(self, m: int, s: int) -> str:
         """A stream's name in the checkpoint: its index, or source/index in a mixture."""
-        return str(s) if len(self.names) == 1 else f"{self.names[m]}/{s}"
+        return f"{self.names[m]}/{s}" if self.named else str(s)
 
 
 class SyntheticBlocks:
@@ -534,7 +535,7 @@ class BatchStream:
             )
         saved, names = state["streams"], self.blocks.names
         new = sorted({names[m] for m, s in self.states if self.blocks.key(m, s) not in saved})
-        if new and len(names) == 1:
+        if new and not self.blocks.named:
             raise DataError(
                 "the checkpoint holds no position for this data (saved with a mixture); "
                 "resume with the data config it was trained with"
