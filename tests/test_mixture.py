@@ -279,6 +279,8 @@ def test_a_mixture_saved_by_fsdp_on_2_ranks_resumes_on_1_with_the_same_losses(tm
     ev = [r for r in read_jsonl(tmp_path / "moved" / "metrics.jsonl") if "eval_loss" in r]
     assert [r["step"] for r in ev] == [0, 3]
     assert all(set(r["eval_sources"]) == {"python", "docs"} for r in ev)
+    last = [r for r in read_jsonl(tmp_path / "moved" / "metrics.jsonl") if "data_tokens" in r][-1]
+    assert sum(last["data_tokens"].values()) == last["tokens_seen"]  # both ranks' blocks
     train(
         tmp_path / "resumed",
         *args,

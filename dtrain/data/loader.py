@@ -477,14 +477,16 @@ class BatchStream:
         together)."""
         if self.synthetic:
             return {}
-        counts = torch.tensor(self.blocks_of, dtype=torch.float64)
+        counts = list(self.blocks_of)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and self.world > 1:
-            dist.all_reduce(counts)  # exact: float64 holds integers up to 2**53
+            # objects, not a tensor: whatever the backend's device (NCCL's is the GPU)
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, counts)
+            counts = [sum(c) for c in zip(*gathered)]
         return {
-            name: self.blocks_before.get(name, 0) + int(n)
-            for name, n in zip(self.blocks.names, counts.tolist())
+            name: self.blocks_before.get(name, 0) + n for name, n in zip(self.blocks.names, counts)
         }
 
     def state_dict(self) -> dict:
