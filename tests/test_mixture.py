@@ -320,3 +320,34 @@ def test_cli_bad_mixture_exits_2_with_one_line(tmp_path):
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert lines == ["error: data.mixture[1].weight must be a finite number > 0, got 0.0"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _report_run(counts: dict, weights: dict):
+    from types import SimpleNamespace as NS
+
+    return NS(
+        data=NS(mixed=True, weights=weights),
+        stream=NS(source_blocks=lambda: counts),
+        cfg=NS(trainer=NS(seq_len=4), data=NS(share_tolerance=0.01, on_exhausted="reweight")),
+    )
+
+
+def test_a_share_off_its_weight_is_said_once_and_only_over_enough_blocks(caplog):
+    from dtrain.run.source_report import CHECK_AFTER, SourceReport
+
+    weights = {"a": 0.8, "b": 0.2}
+    off = {"a": 3 * CHECK_AFTER // 4, "b": CHECK_AFTER - 3 * CHECK_AFTER // 4}
+    with caplog.at_level(logging.WARNING, logger="dtrain"):
+        few = SourceReport(_report_run({"a": 3, "b": 1}, weights))
+        few.report(1, {})
+        assert not caplog.records  # 4 blocks say nothing yet
+        report, info = SourceReport(_report_run(off, weights)), {}
+        scalars = report.report(10, info)
+        report.report(11, {})
+        near = {"a": int(CHECK_AFTER * 0.805), "b": CHECK_AFTER - int(CHECK_AFTER * 0.805)}
+        SourceReport(_report_run(near, weights)).report(12, {})
+    assert scalars["data/a/share"] == pytest.approx(0.75)
+    assert scalars["data/b/tokens"] == 4 * off["b"]
+    assert info["data_share"]["b"] == pytest.approx(0.25)
+    (said,) = [r.message for r in caplog.records]
+    assert "data source 'a' is 75.0% of the blocks trained on, its weight 80.0%" in said
