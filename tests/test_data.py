@@ -311,6 +311,11 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     for _ in range(40):
         b.next_step()
     assert b.skipped["empty"] == 2 and b.skipped["not_text"] == 1
+    pair = streams(bundle, 2, micro=4, workers=0)  # both ranks read the one stream
+    for _ in range(40):
+        step_all(pair)
+    _, skipped = merge_positions([(b.state_dict()["streams"], b.skipped) for b in pair])
+    assert skipped["empty"] == 2 and skipped["not_text"] == 1  # counted once over the ranks
     bundle = build_data(
         local_cfg(str(tmp_path / "u.txt"), num_streams=1, eval_fraction=0.01),
         seq_len=4,

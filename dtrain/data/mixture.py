@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from dtrain.data.stream import SKIP_KINDS, StreamSpec
+from dtrain.data.stream import StreamSpec
 from dtrain.data.stream import stream_blocks as _stream_blocks
 from dtrain.errors import DataError
 
@@ -98,15 +98,14 @@ def group_blocks(
     """The blocks of stream index s in the global order from block k0 (k0 % S == s), read from
     the source each one comes from; yields (k, source, block, position after it with its k,
     skip counts, notes) for the blocks this rank keeps (k % world == rank). The records skipped
-    before a block are counted by the rank that keeps it; the notes say once that a source
-    started another epoch or ran out."""
+    before a block are counted by the rank that keeps it, so once over the ranks that share a
+    stream; the notes say once that a source started another epoch or ran out."""
     repeat = g.on_exhausted == "repeat"
     gens = [
         _stream_blocks(replace(spec, repeat=repeat), s, states[m]) for m, spec in enumerate(g.specs)
     ]
     ended: set[int] = set()
     said: set[tuple[int, str]] = set()
-    skips = dict.fromkeys(SKIP_KINDS, 0)
     notes: list[tuple[str, str]] = []
     k = k0
     while True:
@@ -129,14 +128,12 @@ def group_blocks(
             ended.add(m)
             notes.append((g.mix.names[m], "ran out"))
             continue
-        for kind, n in sk.items():
-            skips[kind] += n
         if pos["epoch"] > 0 and m not in said:
             said.add(m)
             notes.append((g.mix.names[m], "epoch"))
-        if k % world == rank:
-            yield k, m, blk, {**pos, "k": k}, skips, notes
-            skips, notes = dict.fromkeys(SKIP_KINDS, 0), []
+        if k % world == rank:  # the records skipped before a block: its rank counts them
+            yield k, m, blk, {**pos, "k": k}, sk, notes
+            notes = []
         k += g.n_streams
 
 
