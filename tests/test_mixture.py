@@ -351,3 +351,27 @@ def test_a_share_off_its_weight_is_said_once_and_only_over_enough_blocks(caplog)
     assert info["data_share"]["b"] == pytest.approx(0.25)
     (said,) = [r.message for r in caplog.records]
     assert "data source 'a' is 75.0% of the blocks trained on, its weight 80.0%" in said
+
+
+def test_a_bpe_tokenizer_is_trained_on_every_source_and_found_again(two_sources, tmp_path):
+    from dtrain.data import tokenizer_for
+
+    files, _, _ = two_sources
+    docs = tmp_path / "words.txt"
+    docs.write_text("\n\n".join("zebra quokka " * 30 for _ in range(40)))
+    cfg = DataConfig(
+        tokenizer="bpe",
+        vocab_size=300,
+        cache_dir=str(tmp_path / "cache"),
+        num_streams=2,
+        mixture=[
+            MixtureSourceConfig(name="numbers", source="local", files=files),
+            MixtureSourceConfig(name="words", source="local", files=str(docs), format="text"),
+        ],
+    )
+    bundle = build_data(cfg, seq_len=SEQ, seed=0, device=torch.device("cpu"))
+    vocab = bundle.tokenizer.tok.get_vocab()
+    assert any("quokka" in t for t in vocab)  # learnt from the second source too
+    assert list((tmp_path / "cache").rglob("*.json"))
+    again = tokenizer_for(cfg)  # what generate and export load: the cached one
+    assert again.tok.get_vocab() == vocab
