@@ -44,7 +44,29 @@ Int8GroupedGemm = Literal["auto", "gluon", "triton"]
 DeepCompileSchedule = Literal["deepspeed", "once", "resident", "gather"]
 OnError = Literal["stop", "continue"]
 OnNonfinite = Literal["skip", "stop"]
+# What a data source that reaches the end of its documents does: start another epoch, hand its
+# share to the other sources of a mixture, or stop the run.
+OnExhausted = Literal["repeat", "reweight", "stop"]
 WandbMode = Literal["offline", "online", "disabled"]
+
+
+@dataclass
+class MixtureSourceConfig:
+    """One source of a data mixture: its name (TensorBoard's eval/<name>/loss), its weight (its
+    share of the training blocks, normalised over the mixture) and where its documents are."""
+
+    name: str = ""
+    weight: float = 1.0
+    source: str = "embedded"  # embedded | hub | local
+    path: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    text_field: str = "text"
+    files: Any = None
+    format: str | None = None
+    eval_fraction: float = 0.02
+    max_bytes: int | None = None
 
 
 @dataclass
@@ -73,6 +95,12 @@ class DataConfig:
     cache_dir: str | None = None  # trained tokenizers (null: $DTRAIN_CACHE or ~/.cache/dtrain)
     # Hugging Face datasets/tokenizers may ship Python code; it runs only if the user opts in.
     trust_remote_code: bool = False
+    # Several sources drawn by weight (empty: the one source above); they share the tokenizer
+    # and the stream settings above. docs/your-data.md, "Mixtures".
+    mixture: list[MixtureSourceConfig] = field(default_factory=list)
+    on_exhausted: OnExhausted = "repeat"
+    # realised share of a mixture source further than this from its weight: a warning
+    share_tolerance: float = 0.01
 
 
 # trainer.micro_batch_size and strategy.reshard_after_forward: resolved by the memory plan
@@ -400,6 +428,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
     elif tp is Any:
         return value
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return build_dataclass(tp, value, f"{key}.")
     elif origin is Literal:  # its choices are checked with the others (check_choices)
         try:
             return _coerce(value, type(typing.get_args(tp)[0]), key)
@@ -486,6 +517,7 @@ RANGES: dict[str, str] = {
     "model.init_std": "> 0",
     "data.eval_fraction": "(0, 1)",
     "data.max_bytes": "> 0",
+    "data.share_tolerance": "(0, 1)",
     "strategy.bucket_cap_mb": "> 0",
     "precision.fp8_amax_history": "> 0",
     "strategy.replicate_degree": "> 0",
@@ -630,11 +662,41 @@ def validate(cfg: TrainConfig) -> None:
     validate_loggers(cfg.metrics)
     _validate_strategy(cfg.strategy)
     validate_reliability(cfg)
+    validate_mixture(cfg.data)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
             "choose auto, never, or the path of a checkpoints/step_NNNNNNN folder"
         )
+
+
+# A mixture source's name is a TensorBoard tag part (eval/<name>/loss) and a file-safe key.
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def validate_mixture(d: DataConfig) -> None:
+    """data.mixture: named, weighted sources, names unique and safe as tags, weights positive."""
+    seen: set[str] = set()
+    for i, src in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        if not SOURCE_NAME.fullmatch(src.name):
+            raise ConfigError(
+                f"{key}.name={src.name!r} is not valid; give each source a name of letters, "
+                "digits, '_', '-' or '.' (up to 64, starting with a letter or digit)"
+            )
+        if src.name in seen:
+            raise ConfigError(f"{key}.name={src.name!r} is used twice; source names must differ")
+        seen.add(src.name)
+        if not (math.isfinite(src.weight) and src.weight > 0):
+            raise ConfigError(f"{key}.weight must be a finite number > 0, got {src.weight}")
+        if src.source not in ("embedded", "hub", "local"):
+            raise ConfigError(
+                f"{key}.source={src.source!r} is not valid; choose embedded, hub or local"
+            )
+        if not 0 < src.eval_fraction < 1:
+            raise ConfigError(f"{key}.eval_fraction must be in (0, 1), got {src.eval_fraction}")
+    if d.mixture and d.source == "synthetic":
+        raise ConfigError("data.mixture cannot be used with data=synthetic; choose another data")
 
 
 def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 
 import torch
@@ -15,7 +14,6 @@ import torch
 from dtrain import dist as ddist
 from dtrain.attention import attention_kernel
 from dtrain.config import TrainConfig
-from dtrain.data import eval_batches
 from dtrain.determinism import deterministic
 from dtrain.errors import FaultError
 from dtrain.optim import lr_at
@@ -24,6 +22,7 @@ from dtrain.reliability.preemption import OrphanWatch, StopSignal
 from dtrain.reliability.rundir import hold_run_dir, mark_started
 from dtrain.run.build import Resolved, Run, build_run
 from dtrain.run.compile_cache import CompileCacheNote
+from dtrain.run.evaluation import evaluate
 from dtrain.run.gc_schedule import GcSchedule
 from dtrain.run.oom import out_of_memory
 from dtrain.run.report import StepReport
@@ -219,29 +218,6 @@ def stop_on_nonfinite(r: Run, saver: Saver, progress: Progress, step: int, bad_s
         f"and the last good state saved at step {step} as {path}; stopping "
         "(trainer.on_nonfinite=stop; skip carries on past such steps)"
     )
-
-
-def evaluate(r: Run, at_step: int) -> float:
-    """The mean eval loss over ranks, logged with its perplexity; then the inspector's view."""
-    t = r.cfg.trainer
-    total = torch.zeros((), device=r.env.device)
-    for x, y in eval_batches(
-        r.data.eval,
-        micro_batch_size=t.micro_batch_size,
-        steps=t.eval_steps,
-        rank=r.env.rank,
-        world_size=r.env.world_size,
-        device=r.env.device,
-    ):
-        total += r.strategy.eval_loss(x, y).float()
-    loss = r.strategy.mean_across_ranks(total / t.eval_steps).item()
-    ppl = math.exp(min(loss, 50.0))
-    r.writer.scalars(at_step, {"eval/loss": loss, "eval/ppl": ppl})
-    r.writer.record({"step": at_step, "eval_loss": loss, "eval_ppl": ppl})
-    log.info("eval at step %d: loss %.4f, ppl %.2f", at_step, loss, ppl)
-    # Samples and attention maps are hundreds of small forwards: kept out of a trace.
-    r.inspector.on_eval(at_step, skip_reason="profiling" if r.profiler.recording else None)
-    return loss
 
 
 def bar_postfix(info: dict) -> dict:

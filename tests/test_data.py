@@ -13,6 +13,7 @@ import torch
 
 from dtrain.config import DataConfig
 from dtrain.data import BatchStream, build_data, eval_batches
+from dtrain.data.loader import merge_positions
 from dtrain.errors import DataError
 from tests.conftest import launch, read_jsonl
 
@@ -144,9 +145,11 @@ def test_every_token_once_per_epoch_with_2_ranks_x_2_workers(corpus):
 
 def merged_state(bs: list[BatchStream]) -> dict:
     """What state_dict() gathers over ranks under torchrun (here: one process per test)."""
-    state = bs[0].state_dict()
-    for b in bs[1:]:
-        state["streams"].update(b.state_dict()["streams"])
+    states = [b.state_dict() for b in bs]
+    state = states[0]
+    state["streams"], state["skipped"] = merge_positions(
+        [(st["streams"], st["skipped"]) for st in states]
+    )
     return state
 
 
@@ -308,6 +311,11 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     for _ in range(40):
         b.next_step()
     assert b.skipped["empty"] == 2 and b.skipped["not_text"] == 1
+    pair = streams(bundle, 2, micro=4, workers=0)  # both ranks read the one stream
+    for _ in range(40):
+        step_all(pair)
+    _, skipped = merge_positions([(b.state_dict()["streams"], b.skipped) for b in pair])
+    assert skipped["empty"] == 2 and skipped["not_text"] == 1  # counted once over the ranks
     bundle = build_data(
         local_cfg(str(tmp_path / "u.txt"), num_streams=1, eval_fraction=0.01),
         seq_len=4,

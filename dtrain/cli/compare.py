@@ -1,4 +1,5 @@
-"""Runs side by side: one table and one chart of memory per GPU, predicted beside measured.
+"""Runs side by side: one table (speed, memory, the final training and eval losses, each data
+source's eval loss) and one chart of memory per GPU, predicted beside measured.
 
     python -m dtrain.cli.compare outputs/ddp-bf16-w2-1b outputs/fsdp-bf16-w2-1b png=mem.png
     python -m dtrain.cli.compare multirun/2026-11-26_04-00-00/*      # a whole sweep, table only
@@ -96,6 +97,10 @@ def read_event_run(run_dir: Path) -> RunSummary:
     b.s.final_loss = loss[-1] if loss else None
     eval_loss = values.get("eval/loss", [])
     b.s.final_eval_loss = eval_loss[-1] if eval_loss else None
+    for tag, series in values.items():
+        m = re.fullmatch(r"eval/([^/]+)/loss", tag)
+        if m and series:
+            b.s.final_eval_sources[m.group(1)] = series[-1]
     b.tok = values.get("perf/tokens_per_s_per_gpu", [])
     b.mfu = values.get("perf/mfu", [])
     per_rank: dict[int, dict] = {}
@@ -143,6 +148,10 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 1024**2:.2f}"
 
 
+def _loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
     """One row per run. Memory in GiB on CUDA, MiB for CPU model-state comparisons."""
     cpu = all(r.measured_kind == "model_state" for r in runs)
@@ -160,7 +169,11 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
         f"predicted ({unit})",
         "error",
         "final loss",
+        "eval loss",
     ]
+    # each data source's eval loss, in one column per source any run has
+    sources = list(dict.fromkeys(n for r in runs for n in r.final_eval_sources))
+    head += [f"eval {n}" for n in sources]
     speed = any(r.predicted_tokens_per_s_per_gpu is not None for r in runs)
     if speed:  # predicted beside measured throughput, where runs logged a prediction
         head[6:6] = ["predicted tok/s/GPU", "speed error"]
@@ -179,7 +192,9 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
                 fmt(r.measured_bytes),
                 fmt(r.predicted_bytes),
                 "-" if err is None else f"{err:+.1f}%",
-                "-" if r.final_loss is None else f"{r.final_loss:.4f}",
+                _loss(r.final_loss),
+                _loss(r.final_eval_loss),
+                *(_loss(r.final_eval_sources.get(n)) for n in sources),
             ]
         )
         if speed:

@@ -1,16 +1,17 @@
 """This rank's batches: streams read by (rank, worker), a global order, an exact position.
 
-The data is cut into S = data.num_streams streams (stream.py). Blocks have a global order that
-does not depend on the number of ranks or workers: block k is the (k // S)-th block of stream
-k % S, and step n trains on blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a
-world of size R takes the blocks k with k % R == r, so it reads the streams s with
-s % g == r % g (g = gcd(S, R)) and keeps every (R/g)-th block of each: when R divides S a rank
-owns whole streams and reads each record once; otherwise R/g ranks read a stream and each keeps
-its share. Its DataLoader workers split its streams between them. Hence:
+Every source is cut into S = data.num_streams streams (stream.py). Blocks have a global order
+that does not depend on the number of ranks or workers: block k is the next block of stream
+k % S of the source chosen for k (mixture.py; one source: always it), and step n trains on
+blocks [n*G, (n+1)*G) of it (G = the global batch). Rank r of a world of size R takes the
+blocks k with k % R == r, so it reads the stream indices s with s % g == r % g (g = gcd(S, R))
+of every source and keeps every (R/g)-th block of each: when R divides S a rank owns whole
+streams and reads each record once; otherwise R/g ranks read a stream and each keeps its
+share. Its DataLoader workers split its stream indices between them. Hence:
   * each block is trained on by exactly one (rank, worker), once per epoch of its stream;
   * a step sees the same blocks with 1 rank x micro 8 as with 2 or 3 ranks (parity);
   * the position is the global count of blocks consumed plus each stream's small state,
-    taken from the rank that took the stream's last consumed block; resuming rebuilds every
+    taken from the rank that took the stream's latest block; resuming rebuilds every
     stream at its state, so the next batch is the one an uninterrupted run would have seen,
     with any number of workers and any world size.
 Workers run ahead (prefetch); each block carries its stream's state after it, and the state
@@ -28,11 +29,12 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from math import gcd
+from typing import NamedTuple
 
 import torch
 
+from dtrain.data.mixture import GroupSpec, SourceEnded, group_blocks, say_note
 from dtrain.data.stream import SKIP_KINDS, StreamSpec, classify, is_heldout, start_state
-from dtrain.data.stream import stream_blocks as _stream_blocks
 from dtrain.errors import DataError
 from dtrain.reliability.preemption import ignore_stop_signals
 
@@ -49,15 +51,29 @@ def _worker_init(worker_id: int) -> None:
 
 @dataclass
 class TrainStreams:
-    """The training side of a DataBundle: what BatchStream needs to read the streams."""
+    """The training side of a DataBundle: what BatchStream needs to read the streams of every
+    source (one source: a mixture of one)."""
 
-    spec: StreamSpec
+    group: GroupSpec
     num_workers: int = 1
     prefetch_factor: int = 4
+    named: bool = False  # data.mixture: streams are saved under their source's name
+
+    @property
+    def spec(self) -> StreamSpec:
+        return self.group.specs[0]
 
     @property
     def seq_len(self) -> int:
         return self.spec.seq_len
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.group.mix.names
+
+    def key(self, m: int, s: int) -> str:
+        """A stream's name in the checkpoint: its index, or source/index in a mixture."""
+        return f"{self.names[m]}/{s}" if self.named else str(s)
 
 
 class SyntheticBlocks:
@@ -81,62 +97,72 @@ def read_streams(n_streams: int, rank: int, world: int) -> list[int]:
     return [s for s in range(n_streams) if (s - rank) % g == 0]
 
 
-def holder(stream: int, consumed: int, n_streams: int, world: int) -> int:
-    """The rank that took the stream's last block before `consumed` (whose state is the
-    stream's position), or, when it has none yet, the lowest rank that reads it."""
-    if consumed <= stream:
-        return stream % gcd(n_streams, world)
-    last = stream + (consumed - 1 - stream) // n_streams * n_streams
-    return last % world
-
-
-def blocks_before(stream: int, consumed: int, n_streams: int) -> int:
-    """How many blocks of the stream the first `consumed` blocks of the global order hold."""
-    return max(0, (consumed - stream + n_streams - 1) // n_streams)
-
-
-def _kept(blocks, stream: int, n_streams: int, rank: int, world: int):
-    """The blocks of a stream that are this rank's (k % world == rank), with the records
-    skipped before each counted once, by the rank that keeps it."""
-    for blk, pos, skips in blocks:
-        if (stream + n_streams * (pos["j"] - 1)) % world == rank:
-            yield blk, pos, skips
+def first_at(residue: int, modulus: int, at: int) -> int:
+    """The first k >= at with k % modulus == residue."""
+    return at + (residue - at) % modulus
 
 
 class _RankStreams(torch.utils.data.IterableDataset):
-    """What the DataLoader workers of one rank run: worker w of W reads streams owned[w::W] and
-    yields this rank's next block of each per item, with the streams' positions after them."""
+    """What the DataLoader workers of one rank run: worker w of W reads stream indices
+    owned[w::W] of every source and yields, per item, this rank's blocks of them in one period
+    of the global order (each of the rank's stream indices once), with their positions."""
 
-    def __init__(
-        self, spec: StreamSpec, owned: list[int], states: dict[int, dict], rank: int, world: int
-    ):
-        self.spec, self.owned, self.states = spec, owned, states
-        self.rank, self.world = rank, world
+    def __init__(self, b: TrainStreams, owned, states, consumed: int, rank: int, world: int):
+        self.group, self.owned, self.states = b.group, owned, states
+        self.consumed, self.rank, self.world = consumed, rank, world
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w, n = (info.id, info.num_workers) if info else (0, 1)
+        S, R = self.group.n_streams, self.world
         mine = self.owned[w::n]
+        period = S // gcd(S, R)  # the rank's blocks in which each of its streams comes once
+        item = None
         try:
-            S = self.spec.n_streams
-            gens = [
-                _kept(_stream_blocks(self.spec, s, self.states[s]), s, S, self.rank, self.world)
+            groups = {
+                s: group_blocks(
+                    self.group,
+                    s,
+                    {m: self.states[m, s] for m in range(len(self.group.specs))},
+                    k0=first_at(s, S, self.consumed),
+                    rank=self.rank,
+                    world=R,
+                )
                 for s in mine
-            ]
+            }
+            k = first_at(self.rank, R, self.consumed)
             while True:
-                blocks, states, skips = [], [], dict.fromkeys(SKIP_KINDS, 0)
-                for g in gens:
-                    blk, st, sk = next(g)
-                    blocks.append(blk)
-                    states.append(st)
-                    for k, v in sk.items():
-                        skips[k] += v
-                yield mine, torch.tensor(blocks, dtype=torch.int32), states, skips
+                item = ([], [], [], dict.fromkeys(SKIP_KINDS, 0), [])
+                for kk in range(k, k + period * R, R):
+                    if kk % S in groups:
+                        _add(item, next(groups[kk % S]))
+                yield item[0], torch.tensor(item[1], dtype=torch.int32), *item[2:]
+                k += period * R
         except DataError as e:
-            yield "error", str(e), None, None
+            if isinstance(e, SourceEnded):
+                yield from _partial(item)
+            yield "error", str(e), None, None, None
         except Exception as e:  # a file that breaks mid-read: one line in the main process
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            yield "error", f"data could not be read ({type(e).__name__}: {first})", None, None
+            msg = f"data could not be read ({type(e).__name__}: {first})"
+            yield "error", msg, None, None, None
+
+
+def _add(item, got) -> None:
+    """One kept block (group_blocks' tuple) into a worker's item."""
+    _, m, blk, pos, skips, notes = got
+    item[0].append(m)
+    item[1].append(blk)
+    item[2].append(pos)
+    for kind, v in skips.items():
+        item[3][kind] += v
+    item[4].extend(notes)
+
+
+def _partial(item):
+    """The blocks a worker read before its stream stopped: the loop trains on them first."""
+    if item is not None and item[1]:
+        yield item[0], torch.tensor(item[1], dtype=torch.int32), *item[2:]
 
 
 class _StepReader:
@@ -153,7 +179,7 @@ class _StepReader:
         owned,
         states,
         *,
-        k: int,
+        consumed: int,
         rank: int,
         world: int,
         micro: int,
@@ -163,8 +189,10 @@ class _StepReader:
         self.spec, self.world, self.micro, self.accum, self.pin = b.spec, world, micro, accum, pin
         self.states = dict(states)
         self.queues: dict[int, deque] = {s: deque() for s in owned}
+        self.blocks_of = [0] * len(b.names)  # blocks of each source read for the loop
+        self.notes: list[tuple[str, str]] = []
         workers = min(b.num_workers, len(owned))
-        ds = _RankStreams(b.spec, owned, dict(states), rank, world)
+        ds = _RankStreams(b, owned, dict(states), consumed, rank, world)
         loader = torch.utils.data.DataLoader(
             ds,
             batch_size=None,  # items are already one block per stream of a worker
@@ -190,7 +218,7 @@ class _StepReader:
         finally:
             if thaw:
                 gc.unfreeze()
-        self.k = k  # the global index of this rank's next block
+        self.k = first_at(rank, world, consumed)  # the global index of this rank's next block
         if workers:
             _live_readers.add(self)
 
@@ -210,30 +238,44 @@ class _StepReader:
         q = self.queues[s]
         while not q:
             try:
-                owned, blocks, states, skips = next(self.it)
+                sources, blocks, states, skips, notes = next(self.it)
             except BaseException:
                 self.close()
                 raise
-            if owned == "error":
+            if sources == "error":
                 self.close()
                 raise DataError(blocks)
-            for j, s2 in enumerate(owned):
-                self.queues[s2].append((blocks[j], states[j], skips if j == 0 else None))
-        blk, st, sk = q.popleft()
-        self.states[s] = st
+            self.notes.extend(notes)
+            for j, m in enumerate(sources):
+                s2 = states[j]["k"] % self.spec.n_streams
+                self.queues[s2].append((blocks[j], m, states[j], skips if j == 0 else None))
+        blk, m, st, sk = q.popleft()
+        self.states[m, s] = st
+        self.blocks_of[m] += 1
         for kind, n in (sk or {}).items():
             skipped[kind] += n
         self.k += self.world
         return blk
 
-    def read_step(self) -> tuple[list[torch.Tensor], dict, dict]:
-        """(accum micro-batches of blocks, the positions after them, records skipped)."""
+    def read_step(self) -> StepRead:
+        """The step's accum micro-batches of blocks, the positions after them, the records
+        skipped, the blocks of each source, and what to say about the sources."""
         skipped = dict.fromkeys(SKIP_KINDS, 0)
+        self.blocks_of = [0] * len(self.blocks_of)
         out = []
         for _ in range(self.accum):
             blk = torch.stack([self._next_block(skipped) for _ in range(self.micro)])
             out.append(blk.pin_memory() if self.pin else blk)
-        return out, dict(self.states), skipped
+        notes, self.notes = self.notes, []
+        return StepRead(out, dict(self.states), skipped, list(self.blocks_of), notes)
+
+
+class StepRead(NamedTuple):
+    blocks: list[torch.Tensor]
+    states: dict
+    skipped: dict
+    blocks_of: list[int]  # this step's blocks of each source, on this rank
+    notes: list[tuple[str, str]]
 
 
 # Readers with worker processes, closed at exit before multiprocessing joins their workers
@@ -315,6 +357,20 @@ def _multiple(n_streams: int, world: int) -> int:
     return -(-n_streams // world) * world
 
 
+def merge_positions(per_rank: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Every rank's (stream positions, skip counts) -> the run's: of the ranks that read a
+    stream, the position after the latest block any of them took ("k", its global index)."""
+    streams: dict[str, dict] = {}
+    skipped = dict.fromkeys(SKIP_KINDS, 0)
+    for positions, skips in per_rank:
+        for key, st in positions.items():
+            if st.get("k", -1) >= streams.get(key, {}).get("k", -1):
+                streams[key] = st
+        for kind, n in skips.items():
+            skipped[kind] += n
+    return streams, skipped
+
+
 class BatchStream:
     """This rank's micro-batches, step after step: `next_step()`, `state_dict()`, resume.
 
@@ -341,11 +397,17 @@ class BatchStream:
         self.skipped = dict.fromkeys(SKIP_KINDS, 0)  # records skipped on this rank
         self.synthetic = isinstance(blocks, SyntheticBlocks)
         self._prefetch: Prefetcher | None = None
+        self.blocks_of: list[int] = []  # blocks of each source this rank trained on
+        self.blocks_before: dict[str, int] = {}  # of each source, all ranks, before the resume
+        self.said: set[tuple[str, str]] = set()
         if not self.synthetic:
             self.owned = read_streams(blocks.spec.n_streams, rank, world_size)
             if rank == 0 and (note := sharing_note(blocks.spec.n_streams, world_size)):
                 log.info(note)
-            self.states = {s: start_state() for s in self.owned}
+            self.states = {
+                (m, s): start_state() for m in range(len(blocks.names)) for s in self.owned
+            }
+            self.blocks_of = [0] * len(blocks.names)
 
     @property
     def global_batch(self) -> int:
@@ -359,7 +421,7 @@ class BatchStream:
             self.blocks,
             self.owned,
             self.states,
-            k=self.consumed + (self.rank - self.consumed) % self.world,
+            consumed=self.consumed,
             rank=self.rank,
             world=self.world,
             micro=self.micro,
@@ -379,13 +441,19 @@ class BatchStream:
         else:
             if self._prefetch is None:
                 self._start()
-            blocks, states, skipped = self._prefetch.get()
-            self.states.update(states)
-            for kind, n in skipped.items():
+            got: StepRead = self._prefetch.get()
+            self.states.update(got.states)
+            for kind, n in got.skipped.items():
                 if n and not self.skipped[kind]:
                     log.warning("skipping bad records (%s); counts are in the checkpoint", kind)
                 self.skipped[kind] += n
-            out = [self._to_device(blk) for blk in blocks]
+            for m, n in enumerate(got.blocks_of):
+                self.blocks_of[m] += n
+            for note in map(tuple, got.notes):  # the DataLoader hands tuples over as lists
+                if note not in self.said:
+                    self.said.add(note)
+                    say_note(*note, dict(zip(self.blocks.names, self.blocks.group.mix.weights)))
+            out = [self._to_device(blk) for blk in got.blocks]
         self.consumed += self.global_batch
         return out
 
@@ -404,33 +472,43 @@ class BatchStream:
 
     # --- position -----------------------------------------------------------------------------
 
+    def source_blocks(self) -> dict[str, int]:
+        """Blocks of each source trained on so far, all ranks (a collective: all ranks call it
+        together)."""
+        if self.synthetic:
+            return {}
+        counts = list(self.blocks_of)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            # objects, not a tensor: whatever the backend's device (NCCL's is the GPU)
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, counts)
+            counts = [sum(c) for c in zip(*gathered)]
+        return {
+            name: self.blocks_before.get(name, 0) + n for name, n in zip(self.blocks.names, counts)
+        }
+
     def state_dict(self) -> dict:
-        """The position, gathered from every rank (a collective: all ranks call it together)."""
+        """The position, gathered from every rank (a collective: all ranks call it together).
+        Of ranks that read a stream, the one that took its latest block holds its position."""
         state = {"consumed": self.consumed, "seq_len": self.blocks.seq_len}
         if self.synthetic:
             return state
-        S = self.blocks.spec.n_streams
-        mine = {
-            str(s): st
-            for s, st in self.states.items()
-            if holder(s, self.consumed, S, self.world) == self.rank
-        }
+        mine = {self.blocks.key(m, s): st for (m, s), st in self.states.items()}
         skipped = dict(self.skipped)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and self.world > 1:
             gathered = [None] * self.world
             dist.all_gather_object(gathered, (mine, skipped))
-            mine, skipped = {}, dict.fromkeys(SKIP_KINDS, 0)
-            for m, sk in gathered:
-                mine.update(m)
-                for k, v in sk.items():
-                    skipped[k] += v
+            mine, skipped = merge_positions(gathered)
         state.update(
             n_streams=self.blocks.spec.n_streams,
             streams=mine,
             skipped=skipped,
             world_size=self.world,
+            source_blocks=self.source_blocks(),
         )
         return state
 
@@ -441,25 +519,35 @@ class BatchStream:
                 f"this run uses {self.blocks.seq_len}; resume with the same trainer.seq_len"
             )
         if not self.synthetic:
-            S = self.blocks.spec.n_streams
-            if "streams" not in state:
-                raise DataError(
-                    "the checkpoint holds no stream positions (saved with another data "
-                    "source); resume with the data config it was trained with"
-                )
-            if state["n_streams"] != S:
-                raise DataError(
-                    f"the checkpoint's data is cut into {state['n_streams']} streams, this run "
-                    f"into data.num_streams={S}; resume with data.num_streams="
-                    f"{state['n_streams']}"
-                )
-            consumed = int(state["consumed"])
-            for s in self.owned:
-                # its next block, whichever rank saved it (states saved before "j" existed too)
-                j = blocks_before(s, consumed, S)
-                self.states[s] = {**state["streams"][str(s)], "j": j}
+            self._load_streams(state)
             self.close()  # what was read ahead belongs to the old position
         self.consumed = int(state["consumed"])
+
+    def _load_streams(self, state: dict) -> None:
+        S = self.blocks.spec.n_streams
+        if "streams" not in state:
+            raise DataError(
+                "the checkpoint holds no stream positions (saved with another data "
+                "source); resume with the data config it was trained with"
+            )
+        if state["n_streams"] != S:
+            raise DataError(
+                f"the checkpoint's data is cut into {state['n_streams']} streams, this run "
+                f"into data.num_streams={S}; resume with data.num_streams={state['n_streams']}"
+            )
+        saved, names = state["streams"], self.blocks.names
+        new = sorted({names[m] for m, s in self.states if self.blocks.key(m, s) not in saved})
+        if new and not self.blocks.named:
+            raise DataError(
+                "the checkpoint holds no position for this data (saved with a mixture); "
+                "resume with the data config it was trained with"
+            )
+        if new and self.rank == 0:
+            log.info("data sources new in this run start at their beginning: %s", ", ".join(new))
+        for m, s in self.states:
+            self.states[m, s] = dict(saved.get(self.blocks.key(m, s), start_state()))
+        self.blocks_before = dict(state.get("source_blocks", {}))
+        self.blocks_of = [0] * len(names)
 
 
 class EvalBlocks:

@@ -6,7 +6,8 @@ exactly one stream. A stream reads its records in windows of `window` records, p
 window with a generator seeded by (seed, stream, epoch, window), tokenizes, joins documents with
 end-of-text and cuts blocks of seq_len + 1 tokens (inputs and shifted targets) with a stride of
 seq_len: every token is an input exactly once, nothing is padded. At the end of a finite source
-the stream starts the next epoch (a new permutation) and packing carries on across the seam.
+the stream starts the next epoch (a new permutation) and packing carries on across the seam, or,
+with `repeat` off, ends.
 
 The position after a block is small and exact: the source's own `state_dict()` at the start of
 the current window, the window's index, (record in window, token in record) of the block's
@@ -39,6 +40,7 @@ class StreamSpec:
     seed: int
     window: int  # records per shuffle window
     holdout: float  # share of documents held out for eval (0: the eval set is another split)
+    repeat: bool = True  # at the end of the data: another epoch (False: the stream ends)
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -131,4 +133,6 @@ def stream_blocks(spec: StreamSpec, stream: int, state: dict) -> Iterator[tuple[
                 "fewer usable documents than data.num_streams (lower it), or all of them "
                 "empty/held out"
             )
+        if not spec.repeat:
+            return  # what is left in `buf`, less than a block, is never trained on
         epoch, win_state, w, i0, off0 = epoch + 1, None, 0, 0, 0

@@ -36,6 +36,8 @@ class RunSummary:
     mfu: float | None = None
     final_loss: float | None = None
     final_eval_loss: float | None = None
+    # each source of a data mixture: its last eval loss (eval/<source>/loss)
+    final_eval_sources: dict[str, float] = field(default_factory=dict)
     measured_bytes: int | None = None  # worst rank: peak reserved (CUDA) or model state (CPU)
     predicted_bytes: int | None = None  # the same quantity, predicted
     measured_kind: str = "peak_reserved"  # or model_state
@@ -112,6 +114,8 @@ class SummaryBuilder:
             s.predicted_tokens_per_s_per_gpu = r[PREDICTED_SPEED_KEY]
         if "eval_loss" in r:
             s.final_eval_loss = r["eval_loss"]
+        for name, ev in (r.get("eval_sources") or {}).items():
+            s.final_eval_sources[name] = ev["loss"]
         if "loss" not in r:
             return
         s.final_loss, s.steps = r["loss"], r.get("step", s.steps)

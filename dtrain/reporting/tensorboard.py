@@ -94,7 +94,8 @@ def layout(cuda: bool, mfu: bool) -> dict:
             [r"memory/prediction_error_pct_model_state"],
         ]
     throughput = {
-        "loss": ["Multiline", [r"train/loss", r"eval/loss"]],
+        # eval/<source>/loss: each source of a data mixture, beside the training loss
+        "loss": ["Multiline", [r"train/loss", r"eval/loss", r"eval/[^/]+/loss$"]],
         "tokens/s per GPU": [
             "Multiline",
             [r"perf/tokens_per_s_per_gpu", r"perf/predicted_tokens_per_s_per_gpu"],
@@ -104,7 +105,12 @@ def layout(cuda: bool, mfu: bool) -> dict:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]
     throughput["data wait %"] = ["Multiline", [r"perf/data_wait_pct"]]
     throughput["Python GC %"] = ["Multiline", [r"perf/gc_pct"]]
-    return {"memory": memory, "training": throughput}
+    data = {
+        "eval seconds": ["Multiline", [r"eval/seconds"]],
+        "tokens per data source": ["Multiline", [r"data/[^/]+/tokens"]],
+        "share of the blocks per data source": ["Multiline", [r"data/[^/]+/share"]],
+    }
+    return {"memory": memory, "training": throughput, "data and eval": data}
 
 
 BOOL = ("false", "true")

@@ -170,6 +170,7 @@ NOT_TRAINING = (
     "trainer.gc_every",
     "data.num_workers",
     "data.cache_dir",
+    "data.share_tolerance",
     "checkpoint.",
     "metrics.",
     "inspect.",

@@ -13,6 +13,7 @@ import torch
 from dtrain.memory import PREDICTION_COMPARES, prediction_error_pct
 from dtrain.reporting.metrics import Throughput, gather_memory, memory_scalars
 from dtrain.reporting.summary import PREDICTED_SPEED_KEY
+from dtrain.run.source_report import SourceReport
 
 if TYPE_CHECKING:
     from dtrain.run.build import Run
@@ -37,6 +38,7 @@ class StepReport:
         self.skipped_logged = 0
         self.prediction_logged = False
         self.losses: list[tuple[int, float]] = []  # (step, mean loss) of every logged step
+        self.sources = SourceReport(run)
 
     def next_batches(self) -> list:
         """The next step's micro-batches, the time waited for them counted."""
@@ -63,7 +65,8 @@ class StepReport:
         extra = self.run.strategy.step_metrics()  # e.g. fp16's overflow_steps and loss_scale
         info.update({k.split("/")[-1]: v for k, v in extra.items()})
         self._count_skipped(step, info)
-        self.run.writer.scalars(step, {**extra, **self._scalars(info)})
+        sources = self.sources.report(step, info)
+        self.run.writer.scalars(step, {**extra, **self._scalars(info), **sources})
         self._compare_memory(step, info)
         self.run.writer.record(info)
         self.losses.append((step, info["loss"]))
