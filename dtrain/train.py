@@ -18,6 +18,7 @@ from dtrain.config import TrainConfig
 from dtrain.data import eval_batches
 from dtrain.determinism import deterministic
 from dtrain.errors import FaultError
+from dtrain.evaluation import score_downstream
 from dtrain.optim import lr_at
 from dtrain.reliability.faults import point
 from dtrain.reliability.preemption import OrphanWatch, StopSignal
@@ -239,6 +240,7 @@ def evaluate(r: Run, at_step: int) -> float:
     r.writer.scalars(at_step, {"eval/loss": loss, "eval/ppl": ppl})
     r.writer.record({"step": at_step, "eval_loss": loss, "eval_ppl": ppl})
     log.info("eval at step %d: loss %.4f, ppl %.2f", at_step, loss, ppl)
+    score_downstream(r, at_step)  # when downstream.every is due
     # Samples and attention maps are hundreds of small forwards: kept out of a trace.
     r.inspector.on_eval(at_step, skip_reason="profiling" if r.profiler.recording else None)
     return loss

@@ -40,6 +40,8 @@ class RunSummary:
     predicted_bytes: int | None = None  # the same quantity, predicted
     measured_kind: str = "peak_reserved"  # or model_state
     predicted_parts: dict[str, int] = field(default_factory=dict)
+    # The last downstream scores: {"<task>/acc": ..., "<task>/acc_norm": ...}
+    downstream: dict[str, float] = field(default_factory=dict)
 
     @property
     def speed_error_pct(self) -> float | None:
@@ -69,6 +71,7 @@ class RunSummary:
             f"measured_{kind}_gib": _gib(self.measured_bytes),
             f"predicted_{kind}_gib": _gib(self.predicted_bytes),
             f"prediction_error_pct_{kind}": self.error_pct,
+            **{f"downstream/{k}": v for k, v in self.downstream.items()},
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -112,6 +115,10 @@ class SummaryBuilder:
             s.predicted_tokens_per_s_per_gpu = r[PREDICTED_SPEED_KEY]
         if "eval_loss" in r:
             s.final_eval_loss = r["eval_loss"]
+        if isinstance(r.get("downstream"), dict):  # a later scoring replaces an earlier one
+            s.downstream = {
+                str(k): float(v) for k, v in r["downstream"].items() if isinstance(v, int | float)
+            }
         if "loss" not in r:
             return
         s.final_loss, s.steps = r["loss"], r.get("step", s.steps)

@@ -100,6 +100,8 @@ def layout(cuda: bool, mfu: bool) -> dict:
             [r"perf/tokens_per_s_per_gpu", r"perf/predicted_tokens_per_s_per_gpu"],
         ],
     }
+    # Every task's acc and acc_norm in one chart (dtrain/evaluation/).
+    throughput["downstream accuracy"] = ["Multiline", [r"eval/downstream/.*/acc(_norm)?$"]]
     if mfu:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]
     throughput["data wait %"] = ["Multiline", [r"perf/data_wait_pct"]]
