@@ -261,3 +261,23 @@ def test_tensorboard_shows_every_task_in_one_chart():
     tags = ["eval/downstream/brackets/acc", "eval/downstream/stdlib_cloze/acc_norm"]
     assert all(re.search(pattern, t) for t in tags)
     assert not re.search(pattern, "eval/downstream_s")
+
+
+def test_fsdp_on_two_ranks_scores_as_one_rank_does(runs, tmp_path):
+    """Every rank takes part in the sharded forward; the scores, summed across ranks, are
+    those of one rank (at step 0, where both runs hold the same weights)."""
+    r = launch(
+        *FAST,
+        *STEPS[1:],
+        *SMALL,
+        "trainer.max_steps=2",
+        "strategy=fsdp",
+        "downstream.every=2",
+        f"hydra.run.dir={tmp_path}/fsdp",
+        nproc=2,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    sharded = [x for x in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl") if "downstream" in x]
+    single = [x for x in read_jsonl(runs / "scored" / "metrics.jsonl") if "downstream" in x]
+    assert [x["step"] for x in sharded] == [0, 2]
+    assert sharded[0]["downstream"] == single[0]["downstream"]
