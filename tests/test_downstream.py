@@ -251,16 +251,30 @@ def test_compare_puts_downstream_scores_side_by_side(runs, tmp_path):
     assert read_run(tmp_path / "events").downstream == pytest.approx(logged)
 
 
-def test_tensorboard_shows_every_task_in_one_chart():
-    from dtrain.reporting.tensorboard import layout
+def test_tensorboard_shows_every_task_in_one_chart(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
 
-    (chart,) = [
-        v for k, v in layout(cuda=False, mfu=False)["training"].items() if "downstream" in k
-    ]
-    (pattern,) = chart[1]
-    tags = ["eval/downstream/brackets/acc", "eval/downstream/stdlib_cloze/acc_norm"]
-    assert all(re.search(pattern, t) for t in tags)
-    assert not re.search(pattern, "eval/downstream_s")
+    from dtrain.reporting.tensorboard import event_dirs
+
+    def charts(run_dir) -> tuple[dict, list[str]]:
+        (d,) = event_dirs(run_dir)
+        acc = EventAccumulator(str(d), size_guidance={"tensors": 0, "scalars": 0})
+        acc.Reload()
+        raw = acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
+        cats = layout_pb2.Layout.FromString(raw).category
+        out = {c.title: list(c.multiline.tag) for cat in cats for c in cat.chart}
+        return out, acc.Tags()["scalars"]
+
+    scored, tags = charts(runs / "scored")
+    (pattern,) = scored["downstream accuracy"]
+    lines = sorted(t for t in tags if re.search(pattern, t))
+    assert lines == sorted(
+        f"eval/downstream/{t}/{m}"
+        for t in ("stdlib_cloze", "brackets")
+        for m in ("acc", "acc_norm")
+    )
+    assert "downstream accuracy" not in charts(runs / "plain")[0]  # no empty chart
 
 
 def test_fsdp_on_two_ranks_scores_as_one_rank_does(runs, tmp_path):
