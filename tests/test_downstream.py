@@ -150,7 +150,13 @@ def test_a_bad_task_at_launch_is_one_line_and_exit_2(tmp_path):
 
 # --- during training, the CLI, compare -------------------------------------------------------
 
-STEPS = ["trainer.max_steps=6", "trainer.eval_every=2", "checkpoint.every_n_steps=0"]
+STEPS = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=2",
+    "checkpoint.every_n_steps=0",
+    "inspect.samples=false",  # evals of the loss and the tasks only: quicker
+    "inspect.attention_maps=false",
+]
 SMALL = ["downstream.items=12"]
 
 
@@ -171,6 +177,15 @@ def test_downstream_scoring_leaves_training_bit_identical(runs):
         for d in (plain, scored)
     ]
     assert evals[0] == evals[1] and len(evals[0]) == 4
+
+
+def test_turning_downstream_scoring_on_resumes_the_same_run(runs):
+    from dtrain.run.preflight import config_changes
+
+    plain = runs / "plain"
+    cfg = compose(*FAST, *STEPS, "downstream.every=2", "downstream.tasks=[brackets]")
+    assert config_changes(cfg, plain) == []
+    assert config_changes(compose(*FAST, *STEPS, "seed=1"), plain) == ["seed 1337 -> 1"]
 
 
 def test_downstream_scores_are_logged_at_eval_steps(runs):

@@ -174,6 +174,7 @@ NOT_TRAINING = (
     "metrics.",
     "inspect.",
     "profile.",
+    "downstream.",
 )
 
 
