@@ -264,6 +264,8 @@ def test_compare_puts_downstream_scores_side_by_side(runs, tmp_path):
     # From TensorBoard's event files alone, the same scores.
     shutil.copytree(runs / "scored" / "tensorboard", tmp_path / "events" / "tensorboard")
     assert read_run(tmp_path / "events").downstream == pytest.approx(logged)
+    # and the loggers' final summary carries them
+    assert read_run(runs / "scored").final()["downstream/brackets/acc"] == logged["brackets/acc"]
 
 
 def test_tensorboard_shows_every_task_in_one_chart(runs):

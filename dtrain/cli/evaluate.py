@@ -5,10 +5,11 @@
 
 `checkpoint` (or the first bare argument) is a checkpoints/step_NNNNNNN folder, a run dir (its
 newest checkpoint), or a directory written by `dtrain.cli.export` (format=hf). A checkpoint is
-scored with its run's tokenizer and in its run's batch shape, so the scores match those the
-run logged at that step; an export with the tokenizer.json beside it, or the byte tokenizer
-when its vocabulary is the byte tokenizer's; tokenizer=NAME|PATH names another. Prints one
-line per task: items, acc (the right choice most likely) and acc_norm (per character).
+scored with its run's tokenizer and in its run's batch shape, so the scores are those the
+run logged at that step (exactly, for a run on one rank); an export with the tokenizer.json
+beside it, or the byte tokenizer when its vocabulary is the byte tokenizer's;
+tokenizer=NAME|PATH names another. Prints one line per task: items, acc (the right choice
+most likely) and acc_norm (per character).
 """
 
 from __future__ import annotations
