@@ -124,6 +124,13 @@ def test_cloze_items_come_from_held_out_documents_of_the_default_corpus():
         assert len(item.choices) == 4 and all(re.fullmatch(r"\w+", c) for c in item.choices)
 
 
+def test_more_cloze_items_than_the_held_out_text_gives_is_one_line():
+    from dtrain.errors import DataError
+
+    with pytest.raises(DataError, match=r"give \d+ items, fewer than downstream.items=100000"):
+        build_tasks(["stdlib_cloze"], 100_000, seed=0)
+
+
 # --- config ----------------------------------------------------------------------------------
 
 
