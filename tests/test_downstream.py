@@ -301,21 +301,24 @@ def test_tensorboard_shows_every_task_in_one_chart(runs):
     assert "downstream accuracy" not in charts(runs / "plain")[0]  # no empty chart
 
 
-def test_fsdp_on_two_ranks_scores_as_one_rank_does(runs, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_sharded_models_on_two_ranks_score_as_one_rank_does(runs, tmp_path, strategy):
     """Every rank takes part in the sharded forward; the scores, summed across ranks, are
     those of one rank (at step 0, where both runs hold the same weights)."""
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
     r = launch(
         *FAST,
         *STEPS[1:],
         *SMALL,
         "trainer.max_steps=2",
-        "strategy=fsdp",
+        f"strategy={strategy}",
         "downstream.every=2",
-        f"hydra.run.dir={tmp_path}/fsdp",
+        f"hydra.run.dir={tmp_path}/sharded",
         nproc=2,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    sharded = [x for x in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl") if "downstream" in x]
+    sharded = [x for x in read_jsonl(tmp_path / "sharded" / "metrics.jsonl") if "downstream" in x]
     single = [x for x in read_jsonl(runs / "scored" / "metrics.jsonl") if "downstream" in x]
     assert [x["step"] for x in sharded] == [0, 2]
     assert sharded[0]["downstream"] == single[0]["downstream"]
