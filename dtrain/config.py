@@ -48,6 +48,8 @@ OnNonfinite = Literal["skip", "stop"]
 # share to the other sources of a mixture, or stop the run.
 OnExhausted = Literal["repeat", "reweight", "stop"]
 WandbMode = Literal["offline", "online", "disabled"]
+# The downstream tasks (dtrain/evaluation/tasks.py builds each one's items)
+DownstreamTask = Literal["stdlib_cloze", "brackets"]
 
 
 @dataclass
@@ -355,6 +357,17 @@ class ProfileConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    """Multiple-choice tasks scored by the log-likelihood of each choice (dtrain/evaluation/),
+    logged as eval/downstream/<task>/acc and acc_norm; their items need no download."""
+
+    every: int = 0  # steps between scorings, a multiple of trainer.eval_every; 0: off
+    tasks: list[str] = field(default_factory=lambda: list(typing.get_args(DownstreamTask)))
+    items: int = 200  # items per task
+    seed: int = 0  # which items: the same seed, the same items in every run
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -366,6 +379,7 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     inspect: InspectConfig = field(default_factory=InspectConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1337
     resume: str = "auto"  # auto | never | <path to a checkpoint folder>
@@ -555,6 +569,9 @@ RANGES: dict[str, str] = {
     "profile.repeat": ">= 0",
     "profile.row_limit": "> 0",
     "profile.memory_snapshot_steps": ">= 0",
+    "downstream.every": ">= 0",
+    "downstream.items": "[1, 100000]",
+    "downstream.seed": ">= 0",
     "debug.inject_nonfinite_at_step": "> 0",
     "debug.inject_nonfinite_rank": ">= 0",
 }
@@ -663,6 +680,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_strategy(cfg.strategy)
     validate_reliability(cfg)
     validate_mixture(cfg.data)
+    validate_downstream(cfg.downstream, t.eval_every, cfg.data.source)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
@@ -672,6 +690,8 @@ def validate(cfg: TrainConfig) -> None:
 
 # A mixture source's name is a TensorBoard tag part (eval/<name>/loss) and a file-safe key.
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# eval/<source>/... sits beside these tags of the eval itself
+RESERVED_SOURCE_NAMES = ("downstream", "loss", "ppl", "seconds")
 
 
 def validate_mixture(d: DataConfig) -> None:
@@ -683,6 +703,11 @@ def validate_mixture(d: DataConfig) -> None:
             raise ConfigError(
                 f"{key}.name={src.name!r} is not valid; give each source a name of letters, "
                 "digits, '_', '-' or '.' (up to 64, starting with a letter or digit)"
+            )
+        if src.name in RESERVED_SOURCE_NAMES:
+            raise ConfigError(
+                f"{key}.name={src.name!r} is taken by the eval's own tags; choose a name other "
+                f"than {', '.join(RESERVED_SOURCE_NAMES)}"
             )
         if src.name in seen:
             raise ConfigError(f"{key}.name={src.name!r} is used twice; source names must differ")
@@ -710,6 +735,27 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         from dtrain.hf import parse_init_from
 
         parse_init_from(m.init_from)
+
+
+def validate_downstream(d: DownstreamConfig, eval_every: int, source: str) -> None:
+    """Known task names, text to score them with, and a schedule that falls on eval steps
+    (scores are taken after the eval loss)."""
+    valid = typing.get_args(DownstreamTask)
+    for task in d.tasks:
+        if task not in valid:
+            raise ConfigError(f"downstream.tasks has {task!r}; valid tasks: {say_choices(valid)}")
+    if d.every and not d.tasks:
+        raise ConfigError("downstream.every is set but downstream.tasks is empty; name a task")
+    if d.every and source == "synthetic":
+        raise ConfigError(
+            "downstream.every is set but data.source=synthetic has no tokenizer to read the "
+            "tasks' text; train on text data (e.g. data=embedded) or set downstream.every=0"
+        )
+    if d.every and (eval_every == 0 or d.every % eval_every):
+        raise ConfigError(
+            f"downstream.every={d.every} must be a multiple of trainer.eval_every={eval_every} "
+            "(downstream scores are taken at eval steps), or 0 for off"
+        )
 
 
 def validate_loggers(mc: MetricsConfig) -> None:

@@ -147,6 +147,7 @@ CLIS = {
     "compare": ["-m", "dtrain.cli.compare"],
     "generate": ["-m", "dtrain.cli.generate"],
     "export": ["-m", "dtrain.cli.export"],
+    "evaluate": ["-m", "dtrain.cli.evaluate"],
     "sweep": ["launch/sweep.py"],
 }
 

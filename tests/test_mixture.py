@@ -302,6 +302,7 @@ def test_a_mixture_saved_by_fsdp_on_2_ranks_resumes_on_1_with_the_same_losses(tm
         ("data.mixture.0.weight=-1", r"data.mixture\[0\].weight must be a finite number > 0"),
         ("data.mixture.1.weight=nan", r"data.mixture\[1\].weight must be a finite number > 0"),
         ("data.mixture.1.name=python", r"data.mixture\[1\].name='python' is used twice"),
+        ("data.mixture.1.name=downstream", r"data.mixture\[1\].name='downstream' is taken"),
         ("data.mixture.0.name='a b'", r"data.mixture\[0\].name='a b' is not valid"),
         ("data.mixture.0.source=synthetic", r"data.mixture\[0\].source='synthetic' is not valid"),
         ("+data.mixture.0.tokenizer=gpt2", r"unknown config key 'data.mixture\[0\].tokenizer'"),

@@ -124,7 +124,7 @@ def saved_keys(path: Path, manifest: dict) -> set[str]:
     return set(load_metadata(path, manifest["files"]).state_dict_metadata)
 
 
-def _empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
+def empty_model(cfg: ModelConfig, device: torch.device | str) -> GPT:
     """The model with uninitialised weights (they are about to be loaded: drawing a random
     init for billions of parameters would only waste time) and its RoPE tables."""
     with torch.device("meta"):
@@ -146,7 +146,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
     # The weights come from the checkpoint: never re-import the run's starting point.
     model_cfg = dataclasses.replace(model_cfg, init_from=None)
     check_fits(path, model_cfg, device)
-    model = _empty_model(model_cfg, device)
+    model = empty_model(model_cfg, device)
     state = {MODEL_KEY: model.state_dict()}  # tensors share storage with the parameters
     have = saved_keys(path, manifest)
     missing = sorted(f"{MODEL_KEY}.{k}" for k in state[MODEL_KEY] if f"{MODEL_KEY}.{k}" not in have)
@@ -164,6 +164,18 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Loa
             params[k].data.copy_(t)
     model.eval()
     return LoadedCheckpoint(model, model_cfg, data_cfg, manifest)
+
+
+def load_hf_model(hf_dir: str | Path, device: torch.device | str = "cpu") -> GPT:
+    """A Hugging Face Llama directory (an export) as our model on `device`, in eval mode."""
+    from dtrain.hf import load_hf_into, model_config_from_hf
+
+    cfg = model_config_from_hf(hf_dir)
+    check_fits(Path(hf_dir), cfg, device)
+    model = empty_model(cfg, device)
+    load_hf_into(model, hf_dir)
+    model.eval()
+    return model
 
 
 def consolidate(path: str | Path, out_file: str | Path) -> Path:

@@ -47,8 +47,16 @@ def exit_with_help_if_asked(
 
 def _default(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else None
+    if f.default_factory is not dataclasses.MISSING:  # a list's default, e.g. []
+        value = f.default_factory()
     if value is None:
         return "null"
+    if isinstance(value, list):  # as it is typed: key=[a, b]
+        return "[" + ", ".join(_default_value(v) for v in value) + "]"
+    return _default_value(value)
+
+
+def _default_value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -103,6 +103,8 @@ def read_event_run(run_dir: Path) -> RunSummary:
             b.s.final_eval_sources[m.group(1)] = series[-1]
     b.tok = values.get("perf/tokens_per_s_per_gpu", [])
     b.mfu = values.get("perf/mfu", [])
+    prefix = "eval/downstream/"
+    b.s.downstream = {t[len(prefix) :]: v[-1] for t, v in values.items() if t.startswith(prefix)}
     per_rank: dict[int, dict] = {}
     pred: dict = {}
     for tag in values:
@@ -200,6 +202,7 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
         if speed:
             p, e = r.predicted_tokens_per_s_per_gpu, r.speed_error_pct
             rows[-1][6:6] = ["-" if p is None else f"{p:,.0f}", "-" if e is None else f"{e:+.1f}%"]
+    add_downstream(runs, head, rows)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -212,6 +215,18 @@ def render_table(runs: list[RunSummary], markdown: bool = False) -> str:
         )
 
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def add_downstream(runs: list[RunSummary], head: list[str], rows: list[list[str]]) -> None:
+    """A column per downstream task any run scored: its last acc and acc_norm."""
+    tasks = sorted({k.rsplit("/", 1)[0] for r in runs for k in r.downstream})
+    for task in tasks:
+        head.append(f"{task} acc/norm")
+        for r, row in zip(runs, rows):
+            acc, norm = r.downstream.get(f"{task}/acc"), r.downstream.get(f"{task}/acc_norm")
+            row.append(
+                "-" if acc is None else f"{acc:.3f}/" + ("-" if norm is None else f"{norm:.3f}")
+            )
 
 
 def write_chart(runs: list[RunSummary], path: Path, overwrite: bool = False) -> None:

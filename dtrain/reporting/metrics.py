@@ -136,7 +136,8 @@ class MetricsWriter:
         if self.tb is not None:
             for summary in hparams_summaries(hparams):
                 self.tb._get_file_writer().add_summary(summary)
-            self.tb.add_custom_scalars(layout(cuda=cuda, mfu=mfu))
+            downstream = bool((config.get("downstream") or {}).get("every"))
+            self.tb.add_custom_scalars(layout(cuda=cuda, mfu=mfu, downstream=downstream))
         for logger in self.loggers:
             logger.start(hparams, config)
 

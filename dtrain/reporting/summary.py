@@ -42,6 +42,8 @@ class RunSummary:
     predicted_bytes: int | None = None  # the same quantity, predicted
     measured_kind: str = "peak_reserved"  # or model_state
     predicted_parts: dict[str, int] = field(default_factory=dict)
+    # The last downstream scores: {"<task>/acc": ..., "<task>/acc_norm": ...}
+    downstream: dict[str, float] = field(default_factory=dict)
 
     @property
     def speed_error_pct(self) -> float | None:
@@ -71,6 +73,7 @@ class RunSummary:
             f"measured_{kind}_gib": _gib(self.measured_bytes),
             f"predicted_{kind}_gib": _gib(self.predicted_bytes),
             f"prediction_error_pct_{kind}": self.error_pct,
+            **{f"downstream/{k}": v for k, v in self.downstream.items()},
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -116,6 +119,10 @@ class SummaryBuilder:
             s.final_eval_loss = r["eval_loss"]
         for name, ev in (r.get("eval_sources") or {}).items():
             s.final_eval_sources[name] = ev["loss"]
+        if isinstance(r.get("downstream"), dict):  # a later scoring replaces an earlier one
+            s.downstream = {
+                str(k): float(v) for k, v in r["downstream"].items() if isinstance(v, int | float)
+            }
         if "loss" not in r:
             return
         s.final_loss, s.steps = r["loss"], r.get("step", s.steps)

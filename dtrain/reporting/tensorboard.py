@@ -65,10 +65,11 @@ def event_dirs(run_dir: str | Path) -> list[Path]:
     return sorted(d for d in found if PROFILE_DIR not in d.relative_to(root).parts)
 
 
-def layout(cuda: bool, mfu: bool) -> dict:
+def layout(cuda: bool, mfu: bool, downstream: bool = False) -> dict:
     """Custom Scalars: one chart per quantity, every rank's line beside the prediction (and,
     with --logdir above several runs, every run's). CUDA-only charts only on CUDA, CPU-only
-    ones only on CPU, MFU only where there is a real peak. Memory is in GiB."""
+    ones only on CPU, MFU only where there is a real peak, downstream scores only where they are
+    taken. Memory is in GiB."""
     rank = r"memory/rank\d+/"
 
     def beside(q: str) -> list:
@@ -101,6 +102,8 @@ def layout(cuda: bool, mfu: bool) -> dict:
             [r"perf/tokens_per_s_per_gpu", r"perf/predicted_tokens_per_s_per_gpu"],
         ],
     }
+    if downstream:  # every task's acc and acc_norm in one chart (dtrain/evaluation/)
+        throughput["downstream accuracy"] = ["Multiline", [r"eval/downstream/.*/acc(_norm)?$"]]
     if mfu:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]
     throughput["data wait %"] = ["Multiline", [r"perf/data_wait_pct"]]

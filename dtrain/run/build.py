@@ -16,6 +16,7 @@ from dtrain.checkpoint import CheckpointManager
 from dtrain.config import PrecisionConfig, StrategyConfig, TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.evaluation import DownstreamEval, build_downstream
 from dtrain.memory import (
     MemoryPlan,
     SpeedPlan,
@@ -57,6 +58,7 @@ class Run:
     writer: MetricsWriter
     inspector: Inspector
     profiler: StepProfiler
+    downstream: DownstreamEval | None  # downstream.every=0: None
     guard: NonfiniteGuard
     inject: NonfiniteInjector | None  # debug.inject_nonfinite_at_step
     resume: ResumePoint | None
@@ -309,6 +311,7 @@ class Reporters(NamedTuple):
     writer: MetricsWriter
     inspector: Inspector
     profiler: StepProfiler
+    downstream: DownstreamEval | None
     mem_plan: MemoryPlan | None
     speed: SpeedPlan | None
 
@@ -332,6 +335,7 @@ def start_reporting(
     config, predicted memory, the one-line summary)."""
     # First: it refuses a setting this device cannot honour before anything is written.
     profiler = StepProfiler(cfg.profile, Path(cfg.run_dir), env)
+    downstream = build_downstream(cfg, data.tokenizer)
     name = run_name(strategy.name, precision.name, env.world_size, cfg.model.name)
     writer = MetricsWriter(cfg.run_dir, env, cfg.metrics, start_step=start_step, run_name=name)
     hparams = run_hparams(
@@ -370,7 +374,7 @@ def start_reporting(
     warmup_warning = short_warmup_warning(cfg.optim, cfg.trainer.max_steps)
     if warmup_warning and env.is_main:  # a choice the user may mean (a smoke test): warn, run
         log.warning(warmup_warning)
-    return Reporters(writer, inspector, profiler, mem_plan, speed)
+    return Reporters(writer, inspector, profiler, downstream, mem_plan, speed)
 
 
 def log_memory_prediction(

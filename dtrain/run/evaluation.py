@@ -14,6 +14,7 @@ import time
 import torch
 
 from dtrain.data import eval_batches
+from dtrain.evaluation import score_downstream
 
 log = logging.getLogger("dtrain")
 
@@ -59,6 +60,7 @@ def evaluate(r, at_step: int) -> float:
     log.info(
         "eval at step %d: loss %.4f, ppl %.2f%s (%.1f s)", at_step, loss, ppl(loss), each, seconds
     )
+    score_downstream(r, at_step)  # when downstream.every is due
     # Samples and attention maps are hundreds of small forwards: kept out of a trace.
     r.inspector.on_eval(at_step, skip_reason="profiling" if r.profiler.recording else None)
     return loss

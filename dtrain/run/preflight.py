@@ -175,6 +175,7 @@ NOT_TRAINING = (
     "metrics.",
     "inspect.",
     "profile.",
+    "downstream.",
 )
 
 

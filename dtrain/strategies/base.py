@@ -400,6 +400,13 @@ class Strategy:
         with self.precision.autocast(self.device), self.precision_context():
             return self.model(x, y).detach()
 
+    @torch.no_grad()
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) of a forward without targets, as eval_loss runs it (every rank
+        of a sharded model takes part)."""
+        with self.precision.autocast(self.device), self.precision_context():
+            return self.model(x).detach()
+
     def mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """Average a scalar over data-parallel ranks (for logging the loss)."""
         if dist.is_initialized() and self.env.world_size > 1:

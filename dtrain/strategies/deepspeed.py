@@ -493,6 +493,10 @@ class DeepSpeedStrategy(Strategy):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.engine(x, y).detach()
 
+    @torch.no_grad()
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.engine(x).detach()
+
     # --- accounting --------------------------------------------------------------------
     def _zero_param_tensors(self) -> list[torch.Tensor]:
         # Stage 3 keeps this rank's partition in ds_tensor (p.data is empty between uses).
