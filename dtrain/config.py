@@ -122,6 +122,19 @@ class StrategyConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Dimensions of the device mesh besides data parallelism (dtrain/parallel/): each rank
+    group of tp x cp ranks trains one data-parallel replica's batch. 1: off."""
+
+    # Tensor parallelism with sequence parallelism: the attention heads, the feed-forward's
+    # hidden units and the output layer's vocabulary split over tp ranks; norms over sequence.
+    tp: int = 1
+    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks),
+    # attention gathering the keys and values of the others.
+    cp: int = 1
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls on GPUs for fp32
@@ -331,6 +344,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -489,6 +503,8 @@ RANGES: dict[str, str] = {
     "strategy.bucket_cap_mb": "> 0",
     "precision.fp8_amax_history": "> 0",
     "strategy.replicate_degree": "> 0",
+    "parallel.tp": "> 0",
+    "parallel.cp": "> 0",
     "optim.lr": "> 0",
     "optim.min_lr_ratio": "[0, 1]",
     "optim.warmup_steps": ">= 0",

@@ -334,7 +334,11 @@ class BatchStream:
         world_size: int,
         seed: int,
         device: torch.device,
+        copies: int = 1,
     ):
+        """rank, world_size: data-parallel; `copies` consecutive processes share each rank's
+        batches (tensor and context parallel groups: dtrain.parallel.mesh.data_coords)."""
+        self.copies = copies
         self.blocks, self.micro, self.accum = blocks, micro_batch_size, grad_accum_steps
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, device
         self.consumed = 0  # blocks (sequences) consumed by all ranks before the next step
@@ -418,11 +422,11 @@ class BatchStream:
         skipped = dict(self.skipped)
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and self.world > 1:
-            gathered = [None] * self.world
+        if dist.is_available() and dist.is_initialized() and self.world * self.copies > 1:
+            gathered = [None] * (self.world * self.copies)
             dist.all_gather_object(gathered, (mine, skipped))
             mine, skipped = {}, dict.fromkeys(SKIP_KINDS, 0)
-            for m, sk in gathered:
+            for m, sk in gathered[:: self.copies]:  # one process of each rank's copies
                 mine.update(m)
                 for k, v in sk.items():
                     skipped[k] += v

@@ -1,0 +1,67 @@
+"""Tensor parallelism with sequence parallelism (Megatron-LM's, as torchtitan's apply_tp plans
+it on DTensor): each block's attention heads and feed-forward hidden units split over the tp
+ranks (wq, wk, wv, w1, w3 by columns; wo, w2 by rows), and between them the residual stream
+split over the sequence, so the norms run on 1/tp of the tokens and hold no full activation.
+
+Per block and direction that is two all-gathers (the sequence, before attention and before the
+feed-forward) and two reduce-scatters (after wo and w2), each of B x T x d activations. The
+embedding is split by vocabulary rows; the output layer by vocabulary columns, its logits
+gathered whole so that the loss is the model's own (dtrain.model.lm_loss).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def block_plan() -> dict:
+    """The plan of one transformer block, keyed by its submodules' names."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    # Attention's inputs: x (gathered from the sequence shards), rope, kv_cache, need_weights.
+    attn_in = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
+    )
+    return {
+        "attn_norm": SequenceParallel(),
+        "attn": attn_in,
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "ffn.w1": ColwiseParallel(),
+        "ffn.w3": ColwiseParallel(),
+        "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Split `model` (a dtrain.model.GPT, still on the meta device) over `tp_mesh` in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    root_plan = {
+        # Token ids are whole on every rank; the embedding's output leaves split by sequence.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, root_plan)
+    # Tied: the output layer takes the embedding's split weight (both split by vocab rows).
+    model.tie_weights()
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan())
