@@ -56,8 +56,9 @@ def check_layout(
         )
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> str:
+    """The divisors of n, for a message: "1, 2, 4"."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 class Meshes(NamedTuple):

@@ -38,14 +38,15 @@ def strategy_class(name: str) -> type[Strategy]:
 def check_parallel(
     cfg: StrategyConfig,
     parallel: ParallelConfig,
-    precision: Precision,
+    precision: Precision | None,
     *,
     world_size: int,
     model: ModelConfig,
     seq_len: int,
 ) -> None:
     """parallel.tp and parallel.cp: a strategy that composes with them, a layout that divides
-    the world, the heads and the sequence, and what that strategy refuses beside them."""
+    the world, the heads and the sequence, and what that strategy refuses beside them (the
+    precision's part where one is given: before the run, none is built yet)."""
     from dtrain.parallel.mesh import check_layout, is_parallel
 
     if not is_parallel(parallel):

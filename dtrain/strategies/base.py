@@ -243,9 +243,9 @@ class Strategy:
             )
 
     @classmethod
-    def check_parallel(cls, cfg: StrategyConfig, precision: Precision) -> None:
+    def check_parallel(cls, cfg: StrategyConfig, precision: Precision | None) -> None:
         """What this strategy refuses beside parallel.tp or parallel.cp > 1 (where it composes
-        with them at all: composes_parallel)."""
+        with them at all: composes_parallel); the precision's part only where one is given."""
 
     @classmethod
     def check_installed(cls, cfg: StrategyConfig) -> None:

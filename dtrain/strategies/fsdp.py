@@ -193,7 +193,7 @@ class FSDPStrategy(Strategy):
                 f"strategy.replicate_degree={cfg.replicate_degree} (HSDP) does not compose with "
                 "parallel.tp or parallel.cp; use strategy.replicate_degree=1"
             )
-        if precision.quantize or precision.optimizer_8bit:
+        if precision is not None and (precision.quantize or precision.optimizer_8bit):
             raise ConfigError(
                 f"precision={precision.name} swaps modules that parallel.tp and parallel.cp do "
                 "not split; choose precision=fp32, bf16, bf16-true or fp16"
