@@ -16,6 +16,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.strategies.base import Collective
+
+# Per block and micro-step: the keys and values gathered forward, their gradients reduced back.
+CP_COLLECTIVES = tuple(
+    Collective(
+        op,
+        "kv",
+        "compute",
+        group="cp",
+        per_micro=True,
+        calls="blocks",
+        why="attention waits for the gathered keys and values (not overlapped)",
+    )
+    for op in ("all_gather", "reduce_scatter")
+)
+
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The positions rank `rank` of `cp` holds: chunks rank and 2cp-1-rank of 2cp."""

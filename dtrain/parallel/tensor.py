@@ -13,6 +13,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from dtrain.strategies.base import Collective
+
+# Per block and micro-step, forward and backward: the sequence gathers before attention and the
+# feed-forward (and, backward, those after wo and w2), and as many reduce-scatters.
+TP_COLLECTIVES = tuple(
+    Collective(
+        op,
+        "activations",
+        "compute",
+        group="tp",
+        times=4,
+        per_micro=True,
+        calls="blocks",
+        why="each matmul waits for its sequence gather or reduce-scatter (no async TP)",
+    )
+    for op in ("all_gather", "reduce_scatter")
+)
+
 
 def block_plan() -> dict:
     """The plan of one transformer block, keyed by its submodules' names."""

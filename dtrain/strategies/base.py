@@ -75,10 +75,13 @@ class Collective:
     algorithm: all-reduce moves 2(n-1)/n of the payload per rank, the others (n-1)/n)."""
 
     op: str  # all_reduce | all_gather | reduce_scatter
-    tensor: str  # whose elements travel: "params" or "grads" (of the whole model)
+    # whose elements travel: "params" or "grads" (of the whole model), or a parallel dimension's
+    # "activations" (tp: the residual stream) or "kv" (cp: keys and values)
+    tensor: str
     dtype: str  # the Precision's dtype on the wire: "compute" or "reduce"
-    # Which ranks take part: "world", "shard" (world / replicate_degree: HSDP's shard group)
-    # or "replicate" (replicate_degree ranks holding the same shard).
+    # Which ranks take part: "world", "shard" (world / replicate_degree: HSDP's shard group;
+    # world / tp beside tensor parallelism), "replicate" (replicate_degree ranks holding the
+    # same shard), "tp" or "cp" (parallel.tp or parallel.cp ranks of one replica).
     group: str = "world"
     times: int = 1  # how often per micro-step (per_micro) or per optimizer step
     per_micro: bool = False  # on every micro-step (gathers), else once per optimizer step

@@ -163,11 +163,19 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def speed_facts(cls, name: str, setup) -> SpeedFacts:
-        if getattr(setup, "reshard_after_forward", True):
-            return cls.speed
-        # Blocks stay gathered from their forward to their backward: no re-gather.
-        kept = tuple(c for c in FSDP_COLLECTIVES if c is not FSDP_REGATHER)
-        return replace(cls.speed, collectives=kept)
+        kept = FSDP_COLLECTIVES
+        if not getattr(setup, "reshard_after_forward", True):
+            # Blocks stay gathered from their forward to their backward: no re-gather.
+            kept = tuple(c for c in FSDP_COLLECTIVES if c is not FSDP_REGATHER)
+        if getattr(setup, "tp", 1) > 1:
+            from dtrain.parallel.tensor import TP_COLLECTIVES
+
+            kept += TP_COLLECTIVES
+        if getattr(setup, "cp", 1) > 1:
+            from dtrain.parallel.context import CP_COLLECTIVES
+
+            kept += CP_COLLECTIVES
+        return cls.speed if kept == FSDP_COLLECTIVES else replace(cls.speed, collectives=kept)
 
     @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
