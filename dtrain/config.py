@@ -132,6 +132,9 @@ class ParallelConfig:
     # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks),
     # attention gathering the keys and values of the others.
     cp: int = 1
+    # Under tp: the loss over the output layer's vocabulary shards (torch's loss_parallel), no
+    # rank holding all the logits; false gathers them whole on every tp rank.
+    loss_parallel: bool = True
 
 
 @dataclass

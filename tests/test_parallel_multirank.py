@@ -42,10 +42,12 @@ def test_tp2_and_cp2_match_single(single, tmp_path, layout):
 
 @pytest.mark.slow
 def test_fsdp2_x_tp2_matches_single_and_resumes_from_fsdp4(single, tmp_path):
-    # Two replicas of micro-batch 4 against single's micro-batch 8; then a checkpoint of fsdp on
-    # 4 ranks (micro-batch 2: the same global batch) resumed as fsdp 2 x tp 2.
+    # Two replicas of micro-batch 4 against single's micro-batch 8, the logits gathered whole
+    # (the other tests split the loss by vocabulary); then a checkpoint of fsdp on 4 ranks
+    # (micro-batch 2: the same global batch) resumed as fsdp 2 x tp 2.
     args = [*FAST, *STEPS, "strategy=fsdp"]
-    _ok(launch(*args, "parallel.tp=2", f"hydra.run.dir={tmp_path}/fsdp2tp2", nproc=4))
+    gathered = ["parallel.tp=2", "parallel.loss_parallel=false"]
+    _ok(launch(*args, *gathered, f"hydra.run.dir={tmp_path}/fsdp2tp2", nproc=4))
     assert_close(single[8], train_losses(tmp_path / "fsdp2tp2"), range(1, 21))
     micro2 = ["trainer.micro_batch_size=2", "trainer.stop_at_step=10"]
     _ok(launch(*args, *micro2, f"hydra.run.dir={tmp_path}/fsdp4", nproc=4))

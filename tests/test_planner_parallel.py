@@ -45,6 +45,18 @@ def test_tp_and_cp_divide_the_activations():
         assert 0.45 * acts < halved < 0.6 * acts, (layout, halved / acts)
 
 
+def test_loss_parallel_keeps_the_logits_split():
+    args = ("trainer.seq_len=8192", "trainer.micro_batch_size=1", "parallel.tp=2")
+    cfg, split = _setup(*args, world=8)
+    _, whole = _setup(*args, "parallel.loss_parallel=false", world=8)
+    a, b = plan_memory(cfg.model, split), plan_memory(cfg.model, whole)
+    logits = 8192 * cfg.model.vocab_size  # one fp32 copy of them is the least a loss keeps
+    assert (
+        b.activations_bytes + b.transient_bytes - a.activations_bytes - a.transient_bytes
+        > 2 * logits
+    )
+
+
 def test_tp_gathers_and_reduces_the_residual_stream_four_times_per_block():
     cfg, setup = _setup("parallel.tp=2", "trainer.micro_batch_size=2", world=16)
     machine = datasheet_machine(H100)
@@ -74,7 +86,11 @@ def test_tokens_per_gpu_count_each_gpu_once():
     machine = datasheet_machine(H100)
     a, b = plan_speed(cfg.model, plain, machine), plan_speed(cfg.model, tp2, machine)
     assert b.tokens_per_step == a.tokens_per_step // 2  # half as many replicas' tokens per GPU
-    assert b.compute_s == pytest.approx(a.compute_s / 2, rel=0.05)  # the loss is not split
+    assert b.compute_s == pytest.approx(a.compute_s / 2)  # the loss split by vocabulary too
+    _, gathered = _setup(
+        "trainer.micro_batch_size=2", "parallel.tp=2", "parallel.loss_parallel=false", world=16
+    )
+    assert plan_speed(cfg.model, gathered, machine).compute_s > b.compute_s  # the loss twice
 
 
 def test_fastest_searches_tp_and_cp_layouts():

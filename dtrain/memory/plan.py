@@ -84,12 +84,14 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     activations = (
         cfg.n_layer
         * (layer_activation_bytes(cfg, local) // setup.tp + gathered_kv_bytes(cfg, setup))
-        + head_activation_bytes(cfg, local)
+        + head_activation_bytes(cfg, local) // logit_split(setup)
         + autocast_weight_bytes(cfg, local)
     )
     gathered = _gathered_bytes(cfg, setup) // setup.tp
     transient = (
-        loss_transient_bytes(cfg, local) + gathered + _recompute_bytes(cfg, local) // setup.tp
+        loss_transient_bytes(cfg, local) // logit_split(setup)
+        + gathered
+        + _recompute_bytes(cfg, local) // setup.tp
     )
     if _graph_split_by_small_buckets(setup):
         transient += DDP_EXTRA_GRAD_BUFFERS * grads
@@ -171,6 +173,11 @@ def _block_numel(cfg: ModelConfig) -> int:
         + 2 * cfg.d_model * cfg.n_kv_head * hd
         + (3 * cfg.d_model * cfg.ffn_hidden + 2 * cfg.d_model)
     )
+
+
+def logit_split(setup: MemorySetup) -> int:
+    """The ranks the logits are split over: tp under parallel.loss_parallel, else 1."""
+    return setup.tp if setup.loss_parallel else 1
 
 
 def gathered_kv_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:

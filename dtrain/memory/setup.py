@@ -33,6 +33,7 @@ class MemorySetup:
     replicate_degree: int = 1  # fsdp: HSDP replicas (shard within world_size / replicate_degree)
     tp: int = 1  # parallel.tp: tensor (and sequence) parallel ranks of one replica
     cp: int = 1  # parallel.cp: context parallel ranks of one replica
+    loss_parallel: bool = True  # parallel.loss_parallel: under tp the logits stay split
     cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
     # fsdp on CUDA: gradient shards from the compute stream's memory (False, or HSDP: a pool of
     # the reduce-scatter stream's own, reserved beside the compute stream's peak)
@@ -95,6 +96,7 @@ def setup_from_config(
         rank=rank,
         tp=tp,
         cp=cp,
+        loss_parallel=cfg.parallel.loss_parallel,
         grad_accum_steps=resolve_grad_accum(t, max(1, world_size // (tp * cp))),
         **{key: value for key, value in options.items() if key in _FIELDS},
     )

@@ -236,8 +236,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     MATMUL_EFFICIENCY, attention at ATTENTION_EFFICIENCY (FLOPs by the 12·L·d·T convention),
     and the memory-bound ops between them (norms, activations, the loss) at HBM speed."""
     pr = setup.precision
-    # Each rank of a tp x cp group does 1/(tp x cp) of its replica's work, but the loss over
-    # the gathered logits on every tp rank.
+    # Each rank of a tp x cp group does 1/(tp x cp) of its replica's work; the loss too, unless
+    # the logits are gathered whole on every tp rank (parallel.loss_parallel=false).
     tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps / (setup.tp * setup.cp)
     kind = matmul_kind(pr)
     rate = _compute_rate(setup, machine, kind) * MATMUL_EFFICIENCY
@@ -251,7 +251,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     head = (flops_per_token(cfg, setup.seq_len) + 6 * embedding_params(cfg)) * tokens - lin - attn
     c = pr.compute_dtype.itemsize
     pointwise = POINTWISE_PASSES * cfg.n_layer * (cfg.d_model + cfg.ffn_hidden) * c * tokens
-    loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens * setup.tp  # fp32 log-softmax and its grad
+    gathered = 1 if setup.loss_parallel else setup.tp
+    loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens * gathered  # fp32 log-softmax and its grad
     q = QUANT_SPEED.get(pr.quantize)
     t_head = head / rate
     if q is None or not machine.peak_flops.get(q.kind):

@@ -16,6 +16,6 @@ def apply_parallel(
     """Split `model` (a dtrain.model.GPT on the meta device) over the tp and cp dimensions of
     `mesh` (dtrain.parallel.mesh.build_mesh), in place."""
     if parallel.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], loss_parallel=parallel.loss_parallel)
     if parallel.cp > 1:
         apply_cp(model, mesh["cp"], seq_len, device)

@@ -6,7 +6,8 @@ split over the sequence, so the norms run on 1/tp of the tokens and hold no full
 Per block and direction that is two all-gathers (the sequence, before attention and before the
 feed-forward) and two reduce-scatters (after wo and w2), each of B x T x d activations. The
 embedding is split by vocabulary rows; the output layer by vocabulary columns, its logits
-gathered whole so that the loss is the model's own (dtrain.model.lm_loss).
+either left split by vocabulary for the loss (parallel.loss_parallel: torch's loss_parallel
+computes the cross-entropy from the shards) or gathered whole.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def block_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Split `model` (a dtrain.model.GPT, still on the meta device) over `tp_mesh` in place."""
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> None:
+    """Split `model` (a dtrain.model.GPT, still on the meta device) over `tp_mesh` in place;
+    `loss_parallel`: its logits stay split by vocabulary (a DTensor the loss must take under
+    torch's loss_parallel context), else they are gathered whole."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -76,7 +79,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
         # Token ids are whole on every rank; the embedding's output leaves split by sequence.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     parallelize_module(model, tp_mesh, root_plan)
     # Tied: the output layer takes the embedding's split weight (both split by vocab rows).

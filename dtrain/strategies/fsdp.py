@@ -317,17 +317,36 @@ class FSDPStrategy(Strategy):
 
     def forward_backward(self, x, y, *, last_micro: bool, loss_div: int) -> torch.Tensor:
         x, y = self.local_batch(x, y)
-        return super().forward_backward(x, y, last_micro=last_micro, loss_div=loss_div)
+        loss = super().forward_backward(x, y, last_micro=last_micro, loss_div=loss_div)
+        return plain(loss)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return super().eval_loss(*self.local_batch(x, y))
+        return plain(super().eval_loss(*self.local_batch(x, y)))
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The precision's, and under parallel.loss_parallel torch's loss_parallel: the loss
+        and its backward over the vocabulary-split logits."""
+        context = super().precision_context()
+        if self.parallel.tp == 1 or not self.parallel.loss_parallel:
+            return context
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(context)
+        stack.enter_context(loss_parallel())
+        return stack
 
     def no_sync(self, last_micro: bool):
         # Non-final micro-steps accumulate unsharded gradients locally; the final one
         # reduce-scatters (and, for HSDP, all-reduces across replicas) the sum once.
         self.model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
+
+
+def plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as one tensor: loss_parallel's is a DTensor replicated over the tp ranks."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def grads_from_compute_pool(modules: list[nn.Module], device: torch.device) -> bool:
