@@ -152,6 +152,22 @@ class StrategyConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Dimensions of the device mesh besides data parallelism (dtrain/parallel/): each rank
+    group of tp x cp ranks trains one data-parallel replica's batch. 1: off."""
+
+    # Tensor parallelism with sequence parallelism: the attention heads, the feed-forward's
+    # hidden units and the output layer's vocabulary split over tp ranks; norms over sequence.
+    tp: int = 1
+    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks),
+    # attention gathering the keys and values of the others.
+    cp: int = 1
+    # Under tp: the loss over the output layer's vocabulary shards (torch's loss_parallel), no
+    # rank holding all the logits; false gathers them whole on every tp rank.
+    loss_parallel: bool = True
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls on GPUs for fp32
@@ -372,6 +388,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -535,6 +552,8 @@ RANGES: dict[str, str] = {
     "strategy.bucket_cap_mb": "> 0",
     "precision.fp8_amax_history": "> 0",
     "strategy.replicate_degree": "> 0",
+    "parallel.tp": "> 0",
+    "parallel.cp": "> 0",
     "optim.lr": "> 0",
     "optim.min_lr_ratio": "[0, 1]",
     "optim.warmup_steps": ">= 0",
@@ -680,7 +699,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_strategy(cfg.strategy)
     validate_reliability(cfg)
     validate_mixture(cfg.data)
-    validate_downstream(cfg.downstream, t.eval_every, cfg.data.source)
+    validate_downstream(cfg.downstream, t.eval_every, cfg.data.source, cfg.parallel)
     if cfg.resume not in RESUME_CHOICES and not Path(cfg.resume).exists():
         raise ConfigError(
             f"resume={cfg.resume!r}: no such checkpoint folder; "
@@ -737,9 +756,12 @@ def validate_inspect(i: InspectConfig, p: ProfileConfig, m: ModelConfig) -> None
         parse_init_from(m.init_from)
 
 
-def validate_downstream(d: DownstreamConfig, eval_every: int, source: str) -> None:
-    """Known task names, text to score them with, and a schedule that falls on eval steps
-    (scores are taken after the eval loss)."""
+def validate_downstream(
+    d: DownstreamConfig, eval_every: int, source: str, parallel: ParallelConfig
+) -> None:
+    """Known task names, text to score them with, a schedule that falls on eval steps (scores
+    are taken after the eval loss), and a model whole on each rank's sequence (the scorer
+    spreads its items over all ranks)."""
     valid = typing.get_args(DownstreamTask)
     for task in d.tasks:
         if task not in valid:
@@ -750,6 +772,11 @@ def validate_downstream(d: DownstreamConfig, eval_every: int, source: str) -> No
         raise ConfigError(
             "downstream.every is set but data.source=synthetic has no tokenizer to read the "
             "tasks' text; train on text data (e.g. data=embedded) or set downstream.every=0"
+        )
+    if d.every and (parallel.tp > 1 or parallel.cp > 1):
+        raise ConfigError(
+            f"downstream.every={d.every} is not available with parallel.tp={parallel.tp}, "
+            f"parallel.cp={parallel.cp}; set downstream.every=0 or parallel.tp=1 parallel.cp=1"
         )
     if d.every and (eval_every == 0 or d.every % eval_every):
         raise ConfigError(

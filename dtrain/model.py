@@ -79,6 +79,15 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) of the same positions."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    # Causal SDPA takes the flash/cuDNN kernels on GPUs.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     # Linears that read one tensor: fp8's delayed scaling gives them one scale, so that tensor
     # is cast to fp8 once (dtrain/lowp/fp8/delayed.py).
@@ -91,6 +100,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # Training's attention (no cache, no weights): swappable for one whose keys come from
+        # other ranks too (dtrain/parallel/context.py).
+        self.attend = causal_attention
 
     def forward(
         self,
@@ -100,17 +112,21 @@ class Attention(nn.Module):
         need_weights: bool = False,
     ):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Heads counted from the projections (-1): tensor parallelism leaves a share on each rank.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if kv_cache is None and not need_weights:
+            y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, d)
+            return self.wo(y), (k, v), None
         if kv_cache is not None:  # decoding: prepend the keys/values of earlier positions
             k = torch.cat([kv_cache[0], k], dim=2)
             v = torch.cat([kv_cache[1], v], dim=2)
         new_cache = (k, v)
-        if self.n_kv_head != self.n_head:  # grouped-query attention: share each kv head
-            rep = self.n_head // self.n_kv_head
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         weights = None
         if need_weights:  # explicit softmax so the attention map can be returned
@@ -121,15 +137,11 @@ class Attention(nn.Module):
             y = weights.type_as(v) @ v
         elif kv_cache is not None and T == 1:
             y = F.scaled_dot_product_attention(q, k, v)  # one query sees every cached key
-        else:
-            # Causal SDPA takes the flash/cuDNN kernels on GPUs. With a cache and T > 1 the
-            # causal mask must be offset, so spell it out.
-            mask = None
-            if kv_cache is not None:
-                S = k.shape[2]
-                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, d)
+        else:  # with a cache and T > 1 the causal mask must be offset, so spell it out
+            S = k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d)
         return self.wo(y), new_cache, weights
 
 
@@ -191,6 +203,9 @@ class GPT(nn.Module):
         self.tie_weights()
         # RoPE angles are a buffer, not a parameter: recomputed by init_weights, never saved.
         self.register_buffer("rope_cache", torch.empty(0), persistent=False)
+        # The positions of this process's tokens in a training sequence, where it holds only
+        # some (context parallelism: dtrain/parallel/context.py); None: 0..T-1.
+        self.positions: torch.Tensor | None = None
         # Swappable: strategies that compile block by block compile the loss on its own
         # (dtrain.strategies.base.compile_blocks), so the fp32 logits never materialise.
         self.loss_fn = lm_loss
@@ -246,7 +261,9 @@ class GPT(nn.Module):
         """
         B, T = idx.shape
         rope = None
-        if self.cfg.rope:
+        if self.cfg.rope and self.positions is not None and kv_caches is None:
+            rope = self.rope_cache[self.positions.to(idx.device)]
+        elif self.cfg.rope:
             rope = self.rope_cache[start_pos : start_pos + T]
         x = self.tok_embeddings(idx)  # (B, T, d)
         all_weights = []

@@ -141,6 +141,10 @@ def test_more_cloze_items_than_the_held_out_text_gives_is_one_line():
         (["downstream.every=150"], "must be a multiple of trainer.eval_every=100"),
         (["downstream.every=100", "data=synthetic"], "data.source=synthetic has no tokenizer"),
         (["downstream.every=100", "downstream.tasks=[]"], "downstream.tasks is empty"),
+        (
+            ["downstream.every=100", "strategy=fsdp", "parallel.tp=2"],
+            "not available with parallel.tp=2",
+        ),
         (["downstream.items=0"], "downstream.items must be in [1, 100000]"),
     ],
 )

@@ -390,7 +390,11 @@ class BatchStream:
         world_size: int,
         seed: int,
         device: torch.device,
+        copies: int = 1,
     ):
+        """rank, world_size: data-parallel; `copies` consecutive processes share each rank's
+        batches (tensor and context parallel groups: dtrain.parallel.mesh.data_coords)."""
+        self.copies = copies
         self.blocks, self.micro, self.accum = blocks, micro_batch_size, grad_accum_steps
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, device
         self.consumed = 0  # blocks (sequences) consumed by all ranks before the next step
@@ -480,11 +484,11 @@ class BatchStream:
         counts = list(self.blocks_of)
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and self.world > 1:
+        if dist.is_available() and dist.is_initialized() and self.world * self.copies > 1:
             # objects, not a tensor: whatever the backend's device (NCCL's is the GPU)
-            gathered = [None] * self.world
+            gathered = [None] * (self.world * self.copies)
             dist.all_gather_object(gathered, counts)
-            counts = [sum(c) for c in zip(*gathered)]
+            counts = [sum(c) for c in zip(*gathered[:: self.copies])]
         return {
             name: self.blocks_before.get(name, 0) + n for name, n in zip(self.blocks.names, counts)
         }
@@ -499,10 +503,10 @@ class BatchStream:
         skipped = dict(self.skipped)
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and self.world > 1:
-            gathered = [None] * self.world
+        if dist.is_available() and dist.is_initialized() and self.world * self.copies > 1:
+            gathered = [None] * (self.world * self.copies)
             dist.all_gather_object(gathered, (mine, skipped))
-            mine, skipped = merge_positions(gathered)
+            mine, skipped = merge_positions(gathered[:: self.copies])  # one of each rank's copies
         state.update(
             n_streams=self.blocks.spec.n_streams,
             streams=mine,

@@ -75,17 +75,24 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
     """Predicted bytes per GPU for rank `setup.rank` (see the package docstring)."""
     check_setup(cfg, setup)
-    shapes = param_shapes(cfg)
+    shapes = param_shapes(cfg, setup.tp)
     state = model_state_bytes(shapes, setup)
     params, grads, optim, host = _on_device(state, setup)
     notes = state.notes
+    # Context parallelism: each rank holds seq_len / cp tokens of every sequence.
+    local = replace(setup, seq_len=setup.seq_len // setup.cp)
     activations = (
-        cfg.n_layer * layer_activation_bytes(cfg, setup)
-        + head_activation_bytes(cfg, setup)
-        + autocast_weight_bytes(cfg, setup)
+        cfg.n_layer
+        * (layer_activation_bytes(cfg, local) // setup.tp + gathered_kv_bytes(cfg, setup))
+        + head_activation_bytes(cfg, local) // logit_split(setup)
+        + autocast_weight_bytes(cfg, local)
     )
-    gathered = _gathered_bytes(cfg, setup)
-    transient = loss_transient_bytes(cfg, setup) + gathered + _recompute_bytes(cfg, setup)
+    gathered = _gathered_bytes(cfg, setup) // setup.tp
+    transient = (
+        loss_transient_bytes(cfg, local) // logit_split(setup)
+        + gathered
+        + _recompute_bytes(cfg, local) // setup.tp
+    )
     if _graph_split_by_small_buckets(setup):
         transient += DDP_EXTRA_GRAD_BUFFERS * grads
         notes.append(
@@ -137,7 +144,7 @@ def plan_memory(cfg: ModelConfig, setup: MemorySetup) -> MemoryPlan:
         at_peak=at_peak,
         host_bytes=host,
         phase=phase,
-        n_params=sum(math.prod(sh) for sh in shapes),
+        n_params=sum(math.prod(sh) for sh in param_shapes(cfg)),
         notes=notes,
     )
 
@@ -166,6 +173,20 @@ def _block_numel(cfg: ModelConfig) -> int:
         + 2 * cfg.d_model * cfg.n_kv_head * hd
         + (3 * cfg.d_model * cfg.ffn_hidden + 2 * cfg.d_model)
     )
+
+
+def logit_split(setup: MemorySetup) -> int:
+    """The ranks the logits are split over: tp under parallel.loss_parallel, else 1."""
+    return setup.tp if setup.loss_parallel else 1
+
+
+def gathered_kv_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:
+    """Context parallelism: one block's keys and values of the whole sequence, gathered from
+    every cp rank and saved for the backward (this rank's heads: 1/tp of them)."""
+    if setup.cp == 1:
+        return 0
+    kv = -(-cfg.n_kv_head // setup.tp) * cfg.head_dim
+    return 2 * setup.micro_batch_size * setup.seq_len * kv * setup.precision.compute_dtype.itemsize
 
 
 def _recompute_bytes(cfg: ModelConfig, setup: MemorySetup) -> int:

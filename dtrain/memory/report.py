@@ -14,6 +14,12 @@ from dtrain.model import ModelConfig
 from dtrain.reporting.summary import PREDICTED_SPEED_KEY
 
 
+def layout_words(setup) -> str:
+    """ " (tp 2, cp 2)" beside the world size where the mesh has those dimensions, else ""."""
+    dims = [f"{k} {getattr(setup, k)}" for k in ("tp", "cp") if getattr(setup, k) > 1]
+    return f" ({', '.join(dims)})" if dims else ""
+
+
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= scale:
@@ -38,7 +44,8 @@ def summary_lines(plan: MemoryPlan, setup: MemorySetup, cfg: ModelConfig) -> lis
     thumb = 24 * n  # "24 GB per 1B parameters at fp32": ~4 bytes of weights + 20 extra
     where = "GPU" if setup.device == "cuda" else "process"
     lines = [
-        f"{setup.strategy} x {setup.precision.name} on {setup.world_size} rank(s), "
+        f"{setup.strategy} x {setup.precision.name} on {setup.world_size} rank(s)"
+        f"{layout_words(setup)}, "
         f"{cfg.name} ({n / 1e6:.1f}M params), micro-batch {setup.micro_batch_size} x "
         f"{setup.seq_len} tokens: predicted peak {fmt_bytes(plan.total_bytes)} per {where} "
         f"({plan.phase} is the peak moment).",

@@ -8,10 +8,11 @@ here by its name.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, replace
 
-from dtrain.config import AUTO, PrecisionConfig, StrategyConfig
+from dtrain.config import AUTO, ParallelConfig, PrecisionConfig, StrategyConfig
 from dtrain.errors import ConfigError, UserError
 from dtrain.hardware import GiB
 from dtrain.memory.machine import Machine
@@ -19,6 +20,7 @@ from dtrain.memory.plan import MemoryPlan, largest_micro_batch, plan_memory
 from dtrain.memory.setup import MemorySetup, planned_config, precision_for
 from dtrain.memory.speed import QUANT_SPEED, SpeedPlan, plan_speed
 from dtrain.model import ModelConfig
+from dtrain.parallel.mesh import check_layout
 from dtrain.precision import PRECISIONS
 from dtrain.strategies import STRATEGIES
 
@@ -57,6 +59,7 @@ class Candidate:
             parts.append(f"checkpointing {s.activation_checkpointing}")
         if s.replicate_degree > 1:
             parts.append(f"{s.replicate_degree} replicas")
+        parts += [f"{k} {getattr(s, k)}" for k in ("tp", "cp") if getattr(s, k) > 1]
         if s.honours("reshard_after_forward") and not s.reshard_after_forward:
             parts.append("blocks kept gathered to the backward")
         parts += [key for key in ("cpu_offload", "offload_optimizer") if getattr(s, key)]
@@ -130,6 +133,35 @@ def _variants(name: str, world_size: int, precisions, machine: Machine):
                     yield pr, ac, r, keep
 
 
+def composes(name: str, precision, replicate_degree: int) -> bool:
+    """Whether strategy `name` takes tp or cp beside this precision and replica count."""
+    scfg = StrategyConfig(name=name, replicate_degree=replicate_degree)
+    try:
+        STRATEGIES[name].check_parallel(scfg, precision)
+    except UserError:
+        return False
+    return True
+
+
+def layouts(name: str, cfg: ModelConfig, base: MemorySetup, machine: Machine):
+    """(tp, cp) of the mesh to try: (1, 1), and where the strategy composes with them, powers
+    of two whose tensor-parallel group stays within a node and that divide the world, the
+    heads and the sequence."""
+    yield 1, 1
+    if not STRATEGIES[name].composes_parallel:
+        return
+    powers = [2**k for k in range(1, base.world_size.bit_length())]
+    for tp in [1, *powers]:
+        for cp in [1, *powers]:
+            if tp * cp == 1 or tp > machine.gpus_per_node:
+                continue
+            try:
+                check_layout(ParallelConfig(tp=tp, cp=cp), base.world_size, cfg, base.seq_len)
+            except UserError:
+                continue
+            yield tp, cp
+
+
 def _micro_batches(largest: int, global_batch: int | None, world_size: int, accum: int):
     """(micro-batch, accumulation) pairs to try: powers of two up to the largest that fits and
     that largest; with a global batch, those that serve it exactly."""
@@ -160,7 +192,12 @@ def search(
     precisions = precisions or [p for p in PRECISIONS if p not in NOT_SEARCHED]
     fitting, ruled_out = [], []
     for name in searched_strategies(base.world_size, strategies):
-        for pr, ac, r, reshard in _variants(name, base.world_size, precisions, machine):
+        variants = _variants(name, base.world_size, precisions, machine)
+        for (pr, ac, r, reshard), (tp, cp) in itertools.product(
+            variants, list(layouts(name, cfg, base, machine))
+        ):
+            if tp * cp > 1 and not composes(name, pr, r):
+                continue
             setup = replace(
                 base,
                 strategy=name,
@@ -170,11 +207,13 @@ def search(
                 reshard_after_forward=reshard,
                 micro_batch_size=1,
                 grad_accum_steps=1,
+                tp=tp,
+                cp=cp,
             )
             largest = largest_micro_batch(cfg, setup, capacity, limit=1024)
             tried = []
             for mb, accum in _micro_batches(
-                largest, global_batch, base.world_size, base.grad_accum_steps
+                largest, global_batch, setup.data_world, base.grad_accum_steps
             ):
                 c = evaluate(
                     cfg,

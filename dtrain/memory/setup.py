@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from dtrain.config import ACTIVATION_CHECKPOINTING, DDP_BUCKET_MB, resolve_grad_accum
+from dtrain.config import (
+    ACTIVATION_CHECKPOINTING,
+    DDP_BUCKET_MB,
+    ParallelConfig,
+    StrategyConfig,
+    resolve_grad_accum,
+)
 from dtrain.errors import ConfigError
 from dtrain.model import ModelConfig
-from dtrain.strategies import STRATEGIES, MemoryFacts, strategy_class
+from dtrain.strategies import STRATEGIES, MemoryFacts, check_parallel, strategy_class
 
 
 @dataclass
@@ -25,6 +31,9 @@ class MemorySetup:
     compile_scope: str | None = None  # single/ddp: model | blocks (None: the strategy's default)
     reshard_after_forward: bool = True  # fsdp
     replicate_degree: int = 1  # fsdp: HSDP replicas (shard within world_size / replicate_degree)
+    tp: int = 1  # parallel.tp: tensor (and sequence) parallel ranks of one replica
+    cp: int = 1  # parallel.cp: context parallel ranks of one replica
+    loss_parallel: bool = True  # parallel.loss_parallel: under tp the logits stay split
     cpu_offload: bool = False  # fsdp: sharded params, grads, optimizer states live on the host
     # fsdp on CUDA: gradient shards from the compute stream's memory (False, or HSDP: a pool of
     # the reduce-scatter stream's own, reserved beside the compute stream's peak)
@@ -49,6 +58,11 @@ class MemorySetup:
         """How the strategy holds memory, as it declares it."""
         return strategy_facts(self.strategy)
 
+    @property
+    def data_world(self) -> int:
+        """Data-parallel replicas: the ranks of one tp x cp group train one batch."""
+        return self.world_size // (self.tp * self.cp)
+
     def honours(self, option: str) -> bool:
         """Whether the strategy honours a StrategyConfig option (one it ignores plans as unset)."""
         return option in STRATEGIES[self.strategy].options
@@ -71,7 +85,7 @@ def setup_from_config(
 ) -> MemorySetup:
     """A MemorySetup from a TrainConfig; the strategy says what its config means for memory
     (options the planner has no field for, such as compile_scope, change nothing in it)."""
-    t = cfg.trainer
+    t, tp, cp = cfg.trainer, cfg.parallel.tp, cfg.parallel.cp
     options = strategy_class(cfg.strategy.name).memory_options(cfg.strategy, device)
     return MemorySetup(
         precision=precision,
@@ -80,7 +94,10 @@ def setup_from_config(
         seq_len=t.seq_len,
         device=device,
         rank=rank,
-        grad_accum_steps=resolve_grad_accum(t, world_size),
+        tp=tp,
+        cp=cp,
+        loss_parallel=cfg.parallel.loss_parallel,
+        grad_accum_steps=resolve_grad_accum(t, max(1, world_size // (tp * cp))),
         **{key: value for key, value in options.items() if key in _FIELDS},
     )
 
@@ -103,6 +120,14 @@ def check_setup(cfg: ModelConfig, setup: MemorySetup) -> None:
         raise ConfigError(f"replicate_degree={rd} does not divide world_size={setup.world_size}")
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is unknown: set model.vocab_size=N to plan")
+    check_parallel(
+        StrategyConfig(name=setup.strategy, replicate_degree=setup.replicate_degree),
+        ParallelConfig(tp=setup.tp, cp=setup.cp),
+        setup.precision,
+        world_size=setup.world_size,
+        model=cfg,
+        seq_len=setup.seq_len,
+    )
 
 
 def resolve_vocab(cfg) -> int:

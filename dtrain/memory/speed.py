@@ -236,7 +236,9 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     MATMUL_EFFICIENCY, attention at ATTENTION_EFFICIENCY (FLOPs by the 12·L·d·T convention),
     and the memory-bound ops between them (norms, activations, the loss) at HBM speed."""
     pr = setup.precision
-    tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
+    # Each rank of a tp x cp group does 1/(tp x cp) of its replica's work; the loss too, unless
+    # the logits are gathered whole on every tp rank (parallel.loss_parallel=false).
+    tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps / (setup.tp * setup.cp)
     kind = matmul_kind(pr)
     rate = _compute_rate(setup, machine, kind) * MATMUL_EFFICIENCY
     attn_kind = "bf16" if kind == "bf16" else "fp32"  # fp32 SDPA: no tensor-core kernel
@@ -249,7 +251,8 @@ def compute_times(cfg: ModelConfig, setup: MemorySetup, machine: Machine):
     head = (flops_per_token(cfg, setup.seq_len) + 6 * embedding_params(cfg)) * tokens - lin - attn
     c = pr.compute_dtype.itemsize
     pointwise = POINTWISE_PASSES * cfg.n_layer * (cfg.d_model + cfg.ffn_hidden) * c * tokens
-    loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens  # fp32 log-softmax and its gradient
+    gathered = 1 if setup.loss_parallel else setup.tp
+    loss = LOSS_PASSES * cfg.vocab_size * 4 * tokens * gathered  # fp32 log-softmax and its grad
     q = QUANT_SPEED.get(pr.quantize)
     t_head = head / rate
     if q is None or not machine.peak_flops.get(q.kind):
@@ -285,21 +288,27 @@ def recompute_time(setup: MemorySetup, blocks_s: float, pointwise_s: float) -> f
 
 def group_size(c: Collective, setup: MemorySetup) -> int:
     r = max(1, setup.replicate_degree) if setup.honours("replicate_degree") else 1
-    return {"world": setup.world_size, "shard": setup.world_size // r, "replicate": r}[c.group]
+    shard = setup.world_size // (r * setup.tp)  # FSDP shards over dp x cp beside tp
+    groups = {"world": setup.world_size, "shard": shard, "replicate": r}
+    return {**groups, "tp": setup.tp, "cp": setup.cp}[c.group]
 
 
 def crosses_nodes(c: Collective, setup: MemorySetup, machine: Machine, n: int) -> bool:
     """Shard and world groups are consecutive ranks; replica groups stride over them."""
     if c.group == "replicate":
         return setup.world_size > machine.gpus_per_node
+    if c.group in ("cp", "shard"):  # strided by the tp ranks inside each replica
+        return n * setup.tp > machine.gpus_per_node
     return n > machine.gpus_per_node
 
 
 def collective_bytes(cfg: ModelConfig, c: Collective, setup: MemorySetup) -> float:
     """Bytes of the whole tensor a collective gathers or reduces, in the group it runs in."""
     pr = setup.precision
-    n_params = count_params(cfg)
     elem = (pr.compute_dtype if c.dtype == "compute" else pr.reduce_dtype).itemsize
+    if c.tensor in ("activations", "kv"):
+        return activation_collective_bytes(cfg, c, setup, elem)
+    n_params = count_params(cfg) / setup.tp  # this tp rank's share of every tensor
     blocks = cfg.n_layer
     if c.payload == "resharded":  # the freed blocks' linears (their norms are noise)
         blocks = max(0, cfg.n_layer - 1)
@@ -312,6 +321,17 @@ def collective_bytes(cfg: ModelConfig, c: Collective, setup: MemorySetup) -> flo
     if c.payload == "shard":
         total /= max(1, group_size(replace(c, group="shard"), setup))
     return total
+
+
+def activation_collective_bytes(cfg: ModelConfig, c: Collective, setup: MemorySetup, elem: int):
+    """Tensor parallelism's gathered residual stream, (B, T/cp, d) per block and the root
+    (activations); context parallelism's gathered keys and values of this rank's heads, two
+    (B, T, kv heads/tp, hs) per block (kv)."""
+    b, s = setup.micro_batch_size, setup.seq_len
+    if c.tensor == "activations":
+        return (cfg.n_layer + 1) * b * (s // setup.cp) * cfg.d_model * elem
+    kv = -(-cfg.n_kv_head // setup.tp) * cfg.head_dim
+    return cfg.n_layer * 2 * b * s * kv * elem
 
 
 def collective_time(cfg: ModelConfig, c: Collective, setup: MemorySetup, machine: Machine):
@@ -404,6 +424,7 @@ def plan_speed(cfg: ModelConfig, setup: MemorySetup, machine: Machine) -> SpeedP
     recompute = recompute_time(setup, blocks, pointwise)
     comm, exposed, rows = comm_times(cfg, setup, machine, compute + recompute)
     tokens = setup.micro_batch_size * setup.seq_len * setup.grad_accum_steps
+    tokens //= setup.tp * setup.cp  # this GPU's share of its replica's tokens
     plan = SpeedPlan(
         compute_s=compute,
         recompute_s=recompute,

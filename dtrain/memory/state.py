@@ -10,28 +10,33 @@ from dtrain.memory.setup import MemorySetup
 from dtrain.model import ModelConfig
 
 
-def param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """Shapes of the model's parameter tensors in `GPT.parameters()` order (tied ones once).
+def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of the model's parameter tensors in `GPT.parameters()` order (tied ones once),
+    as one rank of `tp` tensor-parallel ranks holds them (dtrain/parallel/tensor.py's plan:
+    heads, hidden units and vocabulary split, norms whole).
 
     Written from dtrain/model.py's constructors rather than by building the model on the meta
     device (seconds for large presets, repeated by the micro-batch search); a test checks the
     two agree.
     """
-    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_hidden
+    d, hd = cfg.d_model, cfg.head_dim
+    f, q, kv, vocab = (
+        -(-n // tp) for n in (cfg.ffn_hidden, cfg.n_head, cfg.n_kv_head, cfg.vocab_size)
+    )
     block = [
         (d,),  # attn_norm
-        (cfg.n_head * hd, d),  # wq
-        (cfg.n_kv_head * hd, d),  # wk
-        (cfg.n_kv_head * hd, d),  # wv
-        (d, cfg.n_head * hd),  # wo
+        (q * hd, d),  # wq
+        (kv * hd, d),  # wk
+        (kv * hd, d),  # wv
+        (d, q * hd),  # wo
         (d,),  # ffn_norm
         (f, d),  # w1
         (f, d),  # w3
         (d, f),  # w2
     ]
-    shapes = [(cfg.vocab_size, d)] + block * cfg.n_layer + [(d,)]
+    shapes = [(vocab, d)] + block * cfg.n_layer + [(d,)]
     if not cfg.tie_embeddings:
-        shapes.append((cfg.vocab_size, d))
+        shapes.append((vocab, d))
     return shapes
 
 
@@ -96,8 +101,8 @@ def _dim0_shards(shapes, setup: MemorySetup, b: StateBytesPerElement) -> ModelSt
     """FSDP2: dim 0 of each tensor padded to a multiple of the shard group and cut in chunks;
     params and the reduce-scattered grads keep the padded chunk, AdamW's states (zeros_like
     the local view) only its real rows, so the last ranks may hold less."""
-    shard = setup.world_size // max(1, setup.replicate_degree)
-    r = setup.rank % shard
+    shard = setup.world_size // (max(1, setup.replicate_degree) * setup.tp)  # dp x cp
+    r = (setup.rank // setup.tp) % shard
     padded = real = moments = 0
     for sh in shapes:
         rest = math.prod(sh[1:])

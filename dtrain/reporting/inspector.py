@@ -100,6 +100,7 @@ class Inspector:
         """Log samples and attention maps at `step` (every rank calls it)."""
         if not self.enabled:
             return
+        skip_reason = skip_reason or self.strategy.inspect_note
         if skip_reason is not None:
             if self.env.is_main:
                 log.info("inspect: no samples or attention maps at step %d (%s)", step, skip_reason)

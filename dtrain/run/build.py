@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
-from dtrain.config import PrecisionConfig, StrategyConfig, TrainConfig, resolve_grad_accum
+from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.evaluation import DownstreamEval, build_downstream
@@ -29,6 +29,7 @@ from dtrain.memory import (
 )
 from dtrain.model import count_params, flops_per_token
 from dtrain.optim import short_warmup_warning
+from dtrain.parallel.mesh import data_coords
 from dtrain.precision import Precision, build_precision, fp8_scaling_note
 from dtrain.reliability.faults import NonfiniteInjector
 from dtrain.reliability.nonfinite import NonfiniteGuard
@@ -38,7 +39,7 @@ from dtrain.reporting.profiling import StepProfiler
 from dtrain.reporting.summary import run_hparams
 from dtrain.reporting.tensorboard import run_name
 from dtrain.run.preflight import ResumePoint, resolve_resume
-from dtrain.strategies import Strategy, build_strategy, strategy_class
+from dtrain.strategies import Strategy, build_strategy, check_parallel, strategy_class
 from dtrain.topology import check_shared_dir, describe, gather_nodes, on_rank0
 
 log = logging.getLogger("dtrain")
@@ -105,7 +106,7 @@ def build_run(
     setup_logging(env.is_main)
     nodes = gather_nodes(env) if env.distributed else None
     cfg = resolved.cfg = with_init_from(cfg)
-    precision = build_checked_precision(cfg.precision, cfg.strategy, env)
+    precision = build_checked_precision(cfg, env)
     data = build_data(
         cfg.data,
         seq_len=cfg.trainer.seq_len,
@@ -117,7 +118,8 @@ def build_run(
     cfg = resolved.cfg = with_auto_options(with_vocab(cfg, data.vocab_size), env)
     strategy = build_strategy(cfg.strategy, precision, env)
     t = cfg.trainer
-    accum = resolve_grad_accum(t, env.world_size)
+    dp = data_coords(env.rank, env.world_size, cfg.parallel)  # ranks of one replica: one batch
+    accum = resolve_grad_accum(t, dp.world)
     ckpt, resume = open_checkpoints(cfg, env, on_exit)
     start_step = resume.step if resume is not None else 0
     guard = NonfiniteGuard(t.on_nonfinite, env.device, start_step=start_step)
@@ -126,13 +128,14 @@ def build_run(
         data.train,
         micro_batch_size=t.micro_batch_size,
         grad_accum_steps=accum,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=dp.rank,
+        world_size=dp.world,
         seed=cfg.seed,
         device=env.device,
+        copies=dp.copies,
     )
     load_state(cfg, env, strategy, stream, ckpt, resume)
-    numbers = run_numbers(cfg, env, grad_accum_steps=accum)
+    numbers = run_numbers(cfg, env, grad_accum_steps=accum, data_world=dp.world)
     reporters = start_reporting(cfg, env, strategy, precision, data, start_step, nodes, **numbers)
     return Run(
         cfg=cfg,
@@ -153,12 +156,11 @@ def build_run(
     )
 
 
-def build_checked_precision(
-    precision_cfg: PrecisionConfig, strategy_cfg: StrategyConfig, env: ddist.DistEnv
-) -> Precision:
-    """The precision, built for the chosen strategy, then that strategy's refusals: all before
-    the data is built (the strategy itself is built once the memory plan has decided its auto
-    options)."""
+def build_checked_precision(cfg: TrainConfig, env: ddist.DistEnv) -> Precision:
+    """The precision, built for the chosen strategy, then that strategy's refusals and the
+    parallel layout's: all before the data is built (the strategy itself is built once the
+    memory plan has decided its auto options)."""
+    precision_cfg, strategy_cfg = cfg.precision, cfg.strategy
     chosen = strategy_class(strategy_cfg.name)
     sharded = chosen.shards_params(strategy_cfg.name)
     precision = build_precision(precision_cfg, env.device, shards_params=sharded)
@@ -168,6 +170,14 @@ def build_checked_precision(
     chosen.check_installed(strategy_cfg)
     chosen.check_config(strategy_cfg, precision, env.device.type)
     chosen.check_world(strategy_cfg, env.world_size)
+    check_parallel(
+        strategy_cfg,
+        cfg.parallel,
+        precision,
+        world_size=env.world_size,
+        model=cfg.model,
+        seq_len=cfg.trainer.seq_len,
+    )
     return precision
 
 
@@ -197,15 +207,20 @@ def setup_strategy(
         grad_accum_steps=grad_accum_steps,
         grad_clip=cfg.trainer.grad_clip,
         nonfinite=nonfinite,
+        parallel=cfg.parallel,
+        seq_len=cfg.trainer.seq_len,
     )
     strategy.setup(cfg.model, cfg.optim, cfg.seed)
 
 
-def run_numbers(cfg: TrainConfig, env: ddist.DistEnv, *, grad_accum_steps: int) -> dict:
-    """The numbers derived from the config that the reporters and the loop share."""
+def run_numbers(
+    cfg: TrainConfig, env: ddist.DistEnv, *, grad_accum_steps: int, data_world: int
+) -> dict:
+    """The numbers derived from the config that the reporters and the loop share;
+    `data_world`: the data-parallel replicas, each reading its own batch."""
     return dict(
         accum=grad_accum_steps,
-        global_batch=cfg.trainer.micro_batch_size * grad_accum_steps * env.world_size,
+        global_batch=cfg.trainer.micro_batch_size * grad_accum_steps * data_world,
         n_params=count_params(cfg.model),
         flops_per_token=flops_per_token(cfg.model, cfg.trainer.seq_len),
         peak=peak_flops(env.device, cfg.metrics),

@@ -27,8 +27,8 @@ def source_loss(r, blocks) -> float:
         blocks,
         micro_batch_size=t.micro_batch_size,
         steps=t.eval_steps,
-        rank=r.env.rank,
-        world_size=r.env.world_size,
+        rank=r.stream.rank,  # data-parallel: the ranks of one tp/cp group share a batch
+        world_size=r.stream.world,
         device=r.env.device,
     ):
         total += r.strategy.eval_loss(x, y).float()

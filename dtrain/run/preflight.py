@@ -95,11 +95,22 @@ def check_overrides(argv: list[str]) -> TrainConfig | None:
         ckpts = Path(cfg.run_dir) / "checkpoints"
         check_newer(ckpts, Path(cfg.resume), manifest["step"], cfg.checkpoint.overwrite_newer)
     refuse_resume_never(cfg)
+    check_parallel_layout(cfg)
     check_fits(cfg)
     from dtrain.precision import check_kernels  # what Gluon needs, before Hydra's first writes
 
     check_kernels(cfg.precision)
     return cfg
+
+
+def check_parallel_layout(cfg: TrainConfig) -> None:
+    """parallel.tp and parallel.cp against the strategy, the world the launcher set, the heads
+    and the sequence, before anything is written (the precision's part waits for the build)."""
+    from dtrain.strategies import check_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    seq_len, model = cfg.trainer.seq_len, cfg.model
+    check_parallel(cfg.strategy, cfg.parallel, None, world_size=world, model=model, seq_len=seq_len)
 
 
 # The memory plan is within about 10% of measured peaks (docs/benchmarks.md, "Memory planner"):

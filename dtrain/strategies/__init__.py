@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from dtrain.config import StrategyConfig
+from dtrain.config import ModelConfig, ParallelConfig, StrategyConfig
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.precision import Precision
@@ -35,6 +35,34 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def check_parallel(
+    cfg: StrategyConfig,
+    parallel: ParallelConfig,
+    precision: Precision | None,
+    *,
+    world_size: int,
+    model: ModelConfig,
+    seq_len: int,
+) -> None:
+    """parallel.tp and parallel.cp: a strategy that composes with them, a layout that divides
+    the world, the heads and the sequence, and what that strategy refuses beside them (the
+    precision's part where one is given: before the run, none is built yet)."""
+    from dtrain.parallel.mesh import check_layout, is_parallel
+
+    if not is_parallel(parallel):
+        return
+    cls = strategy_class(cfg.name)
+    if not cls.composes_parallel:
+        valid = sorted({c.name for c in STRATEGIES.values() if c.composes_parallel})
+        raise ConfigError(
+            f"strategy={cfg.name} does not compose with parallel.tp={parallel.tp}, "
+            f"parallel.cp={parallel.cp}; choose strategy={' or '.join(valid)} "
+            "(or parallel.tp=1 parallel.cp=1)"
+        )
+    check_layout(parallel, world_size, model, seq_len)
+    cls.check_parallel(cfg, precision)
+
+
 def build_strategy(cfg: StrategyConfig, precision: Precision, env: DistEnv) -> Strategy:
     return strategy_class(cfg.name)(cfg, precision, env)  # its check() refuses what it cannot run
 
@@ -47,5 +75,6 @@ __all__ = [
     "StateBytes",
     "Strategy",
     "build_strategy",
+    "check_parallel",
     "strategy_class",
 ]

@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig, yaml_value
+from dtrain.config import (
+    AUTO,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    StrategyConfig,
+    yaml_value,
+)
 from dtrain.dist import DistEnv
 from dtrain.errors import ConfigError
 from dtrain.model import build_model
@@ -68,10 +75,13 @@ class Collective:
     algorithm: all-reduce moves 2(n-1)/n of the payload per rank, the others (n-1)/n)."""
 
     op: str  # all_reduce | all_gather | reduce_scatter
-    tensor: str  # whose elements travel: "params" or "grads" (of the whole model)
+    # whose elements travel: "params" or "grads" (of the whole model), or a parallel dimension's
+    # "activations" (tp: the residual stream) or "kv" (cp: keys and values)
+    tensor: str
     dtype: str  # the Precision's dtype on the wire: "compute" or "reduce"
-    # Which ranks take part: "world", "shard" (world / replicate_degree: HSDP's shard group)
-    # or "replicate" (replicate_degree ranks holding the same shard).
+    # Which ranks take part: "world", "shard" (world / replicate_degree: HSDP's shard group;
+    # world / tp beside tensor parallelism), "replicate" (replicate_degree ranks holding the
+    # same shard), "tp" or "cp" (parallel.tp or parallel.cp ranks of one replica).
     group: str = "world"
     times: int = 1  # how often per micro-step (per_micro) or per optimizer step
     per_micro: bool = False  # on every micro-step (gathers), else once per optimizer step
@@ -178,6 +188,7 @@ class Strategy:
     needs_distributed = False  # False: one process, so no gradients are reduced across ranks
     own_optimizer = False  # builds its optimizer itself rather than through dtrain.optim
     options: tuple[str, ...] = ()  # the OPTIONAL_KEYS this strategy honours
+    composes_parallel = False  # trains with parallel.tp or parallel.cp > 1 (dtrain/parallel/)
     memory = MemoryFacts()
     speed = SpeedFacts()
 
@@ -194,6 +205,9 @@ class Strategy:
         # or None.
         self.post_step = self.post_load = self.rank_local = self.step_mode = None
         self.micro_batch_size, self.grad_accum_steps, self.grad_clip = 1, 1, 0.0
+        self.parallel, self.seq_len = ParallelConfig(), 0  # the mesh's tp and cp (configure)
+        # Why the inspector's samples and attention maps cannot run on this model, or None.
+        self.inspect_note: str | None = None
         # dtrain.reliability.nonfinite.NonfiniteGuard (trainer.on_nonfinite), given to configure();
         # with fp16 the loss scaler owns inf/NaN gradients instead (overflows: skipped, never a
         # stop).
@@ -230,6 +244,11 @@ class Strategy:
                 f"strategy={cfg.name} runs one process but the world size is {world_size}; "
                 f"use strategy=ddp (or another multi-rank strategy) under torchrun"
             )
+
+    @classmethod
+    def check_parallel(cls, cfg: StrategyConfig, precision: Precision | None) -> None:
+        """What this strategy refuses beside parallel.tp or parallel.cp > 1 (where it composes
+        with them at all: composes_parallel); the precision's part only where one is given."""
 
     @classmethod
     def check_installed(cls, cfg: StrategyConfig) -> None:
@@ -306,9 +325,13 @@ class Strategy:
         grad_accum_steps: int,
         grad_clip: float,
         nonfinite: NonfiniteGuard | None = None,
+        parallel: ParallelConfig | None = None,
+        seq_len: int = 0,
     ) -> None:
-        """The batch shape and clipping, for strategies that must know them when built, and
-        the guard that clip_and_step steps through (None: a plain optimizer step)."""
+        """The batch shape and clipping, for strategies that must know them when built, the
+        guard that clip_and_step steps through (None: a plain optimizer step) and the mesh's
+        tensor and context parallel sizes (checked by dtrain.strategies.check_parallel)."""
+        self.parallel, self.seq_len = parallel or ParallelConfig(), seq_len
         self.micro_batch_size = micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.grad_clip = grad_clip

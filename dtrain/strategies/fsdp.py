@@ -26,6 +26,7 @@ from torch import nn
 from dtrain.config import AUTO, ModelConfig, OptimConfig, StrategyConfig
 from dtrain.errors import ConfigError
 from dtrain.model import GPT
+from dtrain.parallel.mesh import build_mesh, is_parallel
 from dtrain.precision import (
     apply_precision,
     build_loss_scaler,
@@ -147,6 +148,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp")  # hsdp: conf/strategy/hsdp.yaml sets replicate_degree > 1
     needs_distributed = True
+    composes_parallel = True
     options = (
         "reshard_after_forward",
         "cpu_offload",
@@ -161,11 +163,19 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def speed_facts(cls, name: str, setup) -> SpeedFacts:
-        if getattr(setup, "reshard_after_forward", True):
-            return cls.speed
-        # Blocks stay gathered from their forward to their backward: no re-gather.
-        kept = tuple(c for c in FSDP_COLLECTIVES if c is not FSDP_REGATHER)
-        return replace(cls.speed, collectives=kept)
+        kept = FSDP_COLLECTIVES
+        if not getattr(setup, "reshard_after_forward", True):
+            # Blocks stay gathered from their forward to their backward: no re-gather.
+            kept = tuple(c for c in FSDP_COLLECTIVES if c is not FSDP_REGATHER)
+        if getattr(setup, "tp", 1) > 1:
+            from dtrain.parallel.tensor import TP_COLLECTIVES
+
+            kept += TP_COLLECTIVES
+        if getattr(setup, "cp", 1) > 1:
+            from dtrain.parallel.context import CP_COLLECTIVES
+
+            kept += CP_COLLECTIVES
+        return cls.speed if kept == FSDP_COLLECTIVES else replace(cls.speed, collectives=kept)
 
     @classmethod
     def memory_options(cls, cfg: StrategyConfig, device_type: str) -> dict:
@@ -184,11 +194,29 @@ class FSDPStrategy(Strategy):
                 f"choose a divisor of {world} (replica groups x shards per group = world size)"
             )
 
+    @classmethod
+    def check_parallel(cls, cfg: StrategyConfig, precision) -> None:
+        if cfg.replicate_degree > 1:
+            raise ConfigError(
+                f"strategy.replicate_degree={cfg.replicate_degree} (HSDP) does not compose with "
+                "parallel.tp or parallel.cp; use strategy.replicate_degree=1"
+            )
+        if precision is not None and (precision.quantize or precision.optimizer_8bit):
+            raise ConfigError(
+                f"precision={precision.name} swaps modules that parallel.tp and parallel.cp do "
+                "not split; choose precision=fp32, bf16, bf16-true or fp16"
+            )
+
     # --- building ----------------------------------------------------------------------
     def build_mesh(self):
+        """The mesh FSDP shards over: the world, HSDP's (replicate, shard) or, beside tensor or
+        context parallelism, the flattened dp x cp dimension of self.parallel_mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world, r = self.env.world_size, self.cfg.replicate_degree
+        if is_parallel(self.parallel):
+            self.parallel_mesh, dp_cp = build_mesh(self.device.type, world, self.parallel)
+            return dp_cp
         if r > 1:
             return init_device_mesh(
                 self.device.type, (r, world // r), mesh_dim_names=("replicate", "shard")
@@ -214,6 +242,13 @@ class FSDPStrategy(Strategy):
         # dtype casts and module swaps (int8/fp8 linears) before any wrapping; fp8 then
         # all-gathers its weights in fp8.
         apply_precision(model, p, sharded=True)
+        if is_parallel(self.parallel):  # TP and CP first: FSDP then shards their DTensors
+            from dtrain.parallel.apply import apply_parallel
+
+            apply_parallel(
+                model, self.parallel_mesh, self.parallel, seq_len=self.seq_len, device=self.device
+            )
+            self.inspect_note = "the model is split by parallel.tp/cp"
         blocks = list(model.layers.items())
         for i, (key, block) in enumerate(blocks):
             if self.cfg.activation_checkpointing != "none":
@@ -272,11 +307,46 @@ class FSDPStrategy(Strategy):
         )
 
     # --- training ----------------------------------------------------------------------
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of the batch: all of them, or its chunks under context
+        parallelism (the positions dtrain.parallel.context gave the model)."""
+        positions = self.module.positions
+        if positions is None:
+            return x, y
+        return x.index_select(1, positions), y.index_select(1, positions)
+
+    def forward_backward(self, x, y, *, last_micro: bool, loss_div: int) -> torch.Tensor:
+        x, y = self.local_batch(x, y)
+        loss = super().forward_backward(x, y, last_micro=last_micro, loss_div=loss_div)
+        return plain(loss)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return plain(super().eval_loss(*self.local_batch(x, y)))
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The precision's, and under parallel.loss_parallel torch's loss_parallel: the loss
+        and its backward over the vocabulary-split logits."""
+        context = super().precision_context()
+        if self.parallel.tp == 1 or not self.parallel.loss_parallel:
+            return context
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(context)
+        stack.enter_context(loss_parallel())
+        return stack
+
     def no_sync(self, last_micro: bool):
         # Non-final micro-steps accumulate unsharded gradients locally; the final one
         # reduce-scatters (and, for HSDP, all-reduces across replicas) the sum once.
         self.model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
+
+
+def plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as one tensor: loss_parallel's is a DTensor replicated over the tp ranks."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def grads_from_compute_pool(modules: list[nn.Module], device: torch.device) -> bool:
