@@ -254,13 +254,14 @@ def test_tensorboard_charts_every_source_eval_beside_the_training_loss():
 
     from dtrain.reporting.tensorboard import layout
 
-    charts = layout(cuda=False, mfu=False)
+    charts = layout(cuda=False, mfu=False, evals=True, mixture=True)
     loss = charts["training"]["loss"][1]
     tags = ["train/loss", "eval/loss", "eval/python/loss", "eval/docs/loss"]
     assert all(any(re.fullmatch(p, t) for p in loss) for t in tags)
     assert not any(re.fullmatch(p, "eval/downstream/cloze/acc") for p in loss)
     assert any(re.fullmatch(p, "data/docs/share") for p in sum(
         (c[1] for c in charts["data and eval"].values()), []))  # fmt: skip
+    assert "data and eval" not in layout(cuda=False, mfu=False)  # no empty charts
 
 
 def test_a_mixture_saved_by_fsdp_on_2_ranks_resumes_on_1_with_the_same_losses(tmp_path):

@@ -136,8 +136,12 @@ class MetricsWriter:
         if self.tb is not None:
             for summary in hparams_summaries(hparams):
                 self.tb._get_file_writer().add_summary(summary)
-            downstream = bool((config.get("downstream") or {}).get("every"))
-            self.tb.add_custom_scalars(layout(cuda=cuda, mfu=mfu, downstream=downstream))
+            shown = {
+                "downstream": bool((config.get("downstream") or {}).get("every")),
+                "evals": bool((config.get("trainer") or {}).get("eval_every")),
+                "mixture": bool((config.get("data") or {}).get("mixture")),
+            }
+            self.tb.add_custom_scalars(layout(cuda=cuda, mfu=mfu, **shown))
         for logger in self.loggers:
             logger.start(hparams, config)
 

@@ -65,11 +65,13 @@ def event_dirs(run_dir: str | Path) -> list[Path]:
     return sorted(d for d in found if PROFILE_DIR not in d.relative_to(root).parts)
 
 
-def layout(cuda: bool, mfu: bool, downstream: bool = False) -> dict:
+def layout(
+    cuda: bool, mfu: bool, downstream: bool = False, evals: bool = False, mixture: bool = False
+) -> dict:
     """Custom Scalars: one chart per quantity, every rank's line beside the prediction (and,
     with --logdir above several runs, every run's). CUDA-only charts only on CUDA, CPU-only
-    ones only on CPU, MFU only where there is a real peak, downstream scores only where they are
-    taken. Memory is in GiB."""
+    ones only on CPU, MFU only where there is a real peak, eval times, downstream scores and
+    per-source counts only where they are taken. Memory is in GiB."""
     rank = r"memory/rank\d+/"
 
     def beside(q: str) -> list:
@@ -108,12 +110,14 @@ def layout(cuda: bool, mfu: bool, downstream: bool = False) -> dict:
         throughput["MFU"] = ["Multiline", [r"perf/mfu"]]
     throughput["data wait %"] = ["Multiline", [r"perf/data_wait_pct"]]
     throughput["Python GC %"] = ["Multiline", [r"perf/gc_pct"]]
-    data = {
-        "eval seconds": ["Multiline", [r"eval/seconds"]],
-        "tokens per data source": ["Multiline", [r"data/[^/]+/tokens"]],
-        "share of the blocks per data source": ["Multiline", [r"data/[^/]+/share"]],
-    }
-    return {"memory": memory, "training": throughput, "data and eval": data}
+    data = {}
+    if evals:
+        data["eval seconds"] = ["Multiline", [r"eval/seconds"]]
+    if mixture:
+        data["tokens per data source"] = ["Multiline", [r"data/[^/]+/tokens"]]
+        data["share of the blocks per data source"] = ["Multiline", [r"data/[^/]+/share"]]
+    charts = {"memory": memory, "training": throughput}
+    return {**charts, "data and eval": data} if data else charts
 
 
 BOOL = ("false", "true")
