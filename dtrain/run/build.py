@@ -15,7 +15,7 @@ from dtrain import dist as ddist
 from dtrain.checkpoint import CheckpointManager
 from dtrain.config import TrainConfig, resolve_grad_accum
 from dtrain.data import BatchStream, DataBundle, build_data
-from dtrain.errors import CheckpointError, ConfigError
+from dtrain.errors import CheckpointError, ConfigError, DataError
 from dtrain.evaluation import DownstreamEval, build_downstream
 from dtrain.memory import (
     MemoryPlan,
@@ -300,6 +300,8 @@ def load_state(
                 f"checkpoint {resume.path}: manifest.json's data position is malformed "
                 f"({type(e).__name__}: {e}); it was not written by dtrain"
             ) from None
+        except DataError as e:  # a position this data config cannot take up: name the checkpoint
+            raise DataError(f"checkpoint {resume.path}: {e}") from None
         log.info("resumed from %s (step %d)", resume.path, resume.step)
         if cfg.checkpoint.overwrite_newer and env.is_main:  # resolve_resume refused otherwise
             ckpt.remove_newer(resume.step)
