@@ -5,7 +5,7 @@
 #   CASES="hand bf16 auto prof hand_mat slice8b_mat" bash bench/bf16_limit.sh
 # Cases: hand / bf16 (the pair at torch.compile's defaults), auto (dtrain with
 # trainer.micro_batch_size=auto), hand_mb (the loop at HAND_MB, default 12: what auto picks on
-# an H100), prof (dtrain with the profiler on steps 16-18, summarised by
+# an H100), prof (dtrain with the profiler on three steps after the first 16, summarised by
 # bench/trace_summary.py into $OUT/prof_trace.md), hand_mat (the loop with Inductor's
 # max_autotune_gemm: its log lists each GEMM's time under cuBLAS and under Inductor's Triton
 # templates), slice8b_mat (the same table at 8b's shapes: model=8b cut to 2 blocks, seq 8192,

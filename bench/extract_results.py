@@ -65,22 +65,6 @@ def call(folder: str, runs: dict, commit: str | None = None) -> dict:
 # (measured in the same invocation).
 FIGURES: list[dict] = [
     dict(
-        out="throughput/single_1b_vs_plain_loop.json",
-        what="model=1b on one GPU, bf16, seq 2048, micro-batch 8: dtrain against a plain loop",
-        date="2026-11-26",
-        card="H100",
-        model=M1B,
-        baseline="plain loop",
-        command="STEPS=30 bash bench/strategies.sh single_bound",
-        calls=[
-            call(
-                "2026-11-26d/call2_torchao_bound_mem350m",
-                {"plain loop": "plain_none.json", "dtrain single": "dtrain_single.json"},
-                commit="e765096",
-            )
-        ],
-    ),
-    dict(
         out="throughput/ddp_1b_2gpu.json",
         what="model=1b, DDP on 2 GPUs, bf16: dtrain (400 MB buckets) against a plain "
         "torch.compile(DDP) loop and Lightning Fabric (torch's 25 MB buckets)",
