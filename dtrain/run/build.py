@@ -136,7 +136,9 @@ def build_run(
     )
     load_state(cfg, env, strategy, stream, ckpt, resume)
     numbers = run_numbers(cfg, env, grad_accum_steps=accum, data_world=dp.world)
-    reporters = start_reporting(cfg, env, strategy, precision, data, start_step, nodes, **numbers)
+    reporters = start_reporting(
+        cfg, env, strategy, precision, data, start_step, nodes, on_exit, **numbers
+    )
     return Run(
         cfg=cfg,
         env=env,
@@ -341,6 +343,7 @@ def start_reporting(
     data: DataBundle,
     start_step: int,
     nodes: list | None,
+    on_exit: contextlib.ExitStack | None = None,
     *,
     accum: int,
     global_batch: int,
@@ -349,12 +352,16 @@ def start_reporting(
     peak: float | None,
 ) -> Reporters:
     """The run's writer, inspector and profiler; what the run is, logged once (hparams,
-    config, predicted memory, the one-line summary)."""
+    config, predicted memory, the one-line summary). The writer is closed on `on_exit`
+    however the run ends: a run refused later has its run dir removed, and TensorBoard's
+    writer thread must not be left writing into it."""
     # First: it refuses a setting this device cannot honour before anything is written.
     profiler = StepProfiler(cfg.profile, Path(cfg.run_dir), env)
     downstream = build_downstream(cfg, data.tokenizer)
     name = run_name(strategy.name, precision.name, env.world_size, cfg.model.name)
     writer = MetricsWriter(cfg.run_dir, env, cfg.metrics, start_step=start_step, run_name=name)
+    if on_exit is not None:  # after a normal end's finish(), closing again does nothing
+        on_exit.callback(writer.close)
     hparams = run_hparams(
         cfg,
         strategy=strategy.name,

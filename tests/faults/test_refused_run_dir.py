@@ -4,10 +4,11 @@ as it was. The refusals here come after Hydra has written .hydra/ and the lock i
 they are run as real processes (launch/train.py), except DeepSpeed's absence, simulated."""
 
 import importlib.util
+import threading
 
 import pytest
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DataError
 from dtrain.run.preflight import check_overrides
 from dtrain.train import run
 from tests.conftest import FAST, launch, train
@@ -49,6 +50,17 @@ def test_refused_run_leaves_no_run_dir(files, tmp_path, name):
     assert res.returncode == 2, res.stderr[-3000:]
     assert message in one_error_line(res.stderr)
     assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
+
+
+def test_a_run_refused_after_tensorboard_opened_leaves_no_writer_thread(files, tmp_path):
+    """The eval set is found too small after the writer has started: it is closed on the way
+    out, so its thread is not writing when the launcher removes the run dir."""
+    before = set(threading.enumerate())
+    args = ["data=local", f"data.files={files}/small.txt", "trainer.eval_every=1"]
+    with pytest.raises(DataError, match="the eval set has fewer than 65 tokens"):
+        train(tmp_path / "run", "trainer.max_steps=2", *args)
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not [t for t in left if type(t).__name__ == "_AsyncWriterThread"], left
 
 
 def test_refused_run_leaves_an_existing_run_dir_as_it_was(tmp_path):
